@@ -1,0 +1,52 @@
+"""Typed exceptions. Each is raised where the problem is found and handled in one place."""
+
+from __future__ import annotations
+
+
+class ConsolidationError(Exception):
+    """Base class for every error this package raises on purpose."""
+
+
+class ConfigError(ConsolidationError):
+    """A setting is missing or invalid; the message names the variable."""
+
+
+class ValidationError(ConsolidationError):
+    """Input (a memory, a request) does not satisfy the contract.
+
+    ``problems`` lists every reason, each a short human sentence.
+    """
+
+    def __init__(self, message: str, problems: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.problems = problems or [message]
+
+
+class LLMError(ConsolidationError):
+    """Base class for problems talking to the LLM."""
+
+
+class TransientLLMError(LLMError):
+    """Timeouts, 408/429/5xx, connection errors: retried, then the operation fails (and is retried
+    later). Never marks memories failed."""
+
+
+class InvalidLLMOutput(LLMError):
+    """The LLM answered, but the answer is unusable (not JSON, schema violation, unknown ref,
+    truncated, HTTP 400/422). The pass is retried once, then its batch is split."""
+
+
+class LLMConfigError(LLMError):
+    """401/403/404 from the LLM endpoint: the configuration is wrong; fail the operation at once."""
+
+
+class LeaseLost(ConsolidationError):
+    """The operation is no longer ours (fence check failed): stop and write nothing more."""
+
+
+class OperationCancelled(ConsolidationError):
+    """A cancel was requested for the running operation."""
+
+
+class NotFound(ConsolidationError):
+    """The named bank, operation or object does not exist."""

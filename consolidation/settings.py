@@ -1,0 +1,100 @@
+"""Configuration: the one place the environment is read (``CONSOLIDATION_*`` variables)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from consolidation.errors import ConfigError
+
+ENV_PREFIX = "CONSOLIDATION_"
+
+
+class Settings(BaseSettings):
+    """Every setting of DESIGN §8. Defaults run a single machine with no configuration at all."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
+
+    database_url: str | None = Field(
+        default=None, description="Postgres URL; unset starts an embedded Postgres under DATA_DIR."
+    )
+    data_dir: Path = Field(
+        default=Path.home() / ".local" / "share" / "consolidation",
+        description="Where the embedded Postgres keeps its files.",
+    )
+
+    llm_base_url: str | None = Field(
+        default=None, description="OpenAI-compatible base URL; unset uses the offline consolidator."
+    )
+    llm_api_key: SecretStr | None = None
+    llm_model: str = "gpt-4o-mini"
+    llm_timeout_s: float = Field(default=60.0, gt=0)
+    llm_max_retries: int = Field(default=4, ge=0, le=20)
+    llm_max_concurrent: int = Field(default=16, ge=1, le=1024)
+    llm_response_format: Literal["json_schema", "json_object"] = "json_schema"
+    llm_backoff_base_s: float = Field(default=0.5, ge=0)
+    llm_backoff_max_s: float = Field(default=30.0, ge=0)
+
+    group_parallelism: int = Field(default=8, ge=1, le=1024)
+    wave_size: int = Field(default=200, ge=1, le=100_000)
+    llm_batch_size: int = Field(default=8, ge=1, le=256)
+    recall_limit: int = Field(default=20, ge=0, le=1000)
+    mission: str | None = Field(
+        default=None, description="Optional text telling the LLM what the bank is for."
+    )
+
+    worker_concurrency: int = Field(default=4, ge=1, le=256)
+    lease_s: float = Field(default=30.0, gt=0)
+    poll_interval_s: float = Field(default=2.0, gt=0)
+    shutdown_grace_s: float = Field(default=30.0, ge=0)
+    max_attempts: int = Field(default=5, ge=1, le=100)
+    retry_backoff_s: float = Field(default=5.0, ge=0)
+
+    http_host: str = "127.0.0.1"
+    http_port: int = Field(default=8080, ge=0, le=65535)
+    api_key: SecretStr | None = None
+    auto_consolidate: bool = True
+
+    log_format: Literal["json", "console"] | None = Field(
+        default=None, description="json or console; unset picks console on a terminal."
+    )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper(cls, value: object) -> object:
+        return value.upper() if isinstance(value, str) else value
+
+    @field_validator("database_url", "llm_base_url", "mission", mode="before")
+    @classmethod
+    def _blank_is_unset(cls, value: object) -> object:
+        return None if isinstance(value, str) and not value.strip() else value
+
+    @field_validator("database_url")
+    @classmethod
+    def _postgres_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("postgres://", "postgresql://")):
+            raise ValueError("must be a postgresql:// URL")
+        return value
+
+    @field_validator("llm_base_url")
+    @classmethod
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("http://", "https://")):
+            raise ValueError("must be an http:// or https:// URL")
+        return value.rstrip("/") if value else value
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Read and validate the environment; a bad value raises ConfigError naming the variable."""
+    try:
+        return Settings(**overrides)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            field = str(err["loc"][0]) if err["loc"] else "?"
+            problems.append(f"{ENV_PREFIX}{field.upper()}: {err['msg']}")
+        raise ConfigError("invalid configuration: " + "; ".join(problems)) from None

@@ -1,0 +1,1 @@
+"""Alembic migrations for the consolidation schema (DESIGN §5)."""

@@ -1,0 +1,47 @@
+"""Settings come only from CONSOLIDATION_* variables and bad values name the variable."""
+
+from __future__ import annotations
+
+import pytest
+
+from consolidation.errors import ConfigError
+from consolidation.settings import load_settings
+
+
+def test_defaults_need_no_configuration(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("CONSOLIDATION_DATABASE_URL", "CONSOLIDATION_LLM_BASE_URL"):
+        monkeypatch.delenv(name, raising=False)
+    settings = load_settings()
+    assert settings.database_url is None and settings.llm_base_url is None
+    assert settings.wave_size == 200 and settings.llm_batch_size == 8
+    assert settings.group_parallelism == 8 and settings.llm_max_concurrent == 16
+
+
+def test_environment_overrides_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CONSOLIDATION_WAVE_SIZE", "50")
+    monkeypatch.setenv("CONSOLIDATION_LLM_BASE_URL", "http://127.0.0.1:9/v1/")
+    monkeypatch.setenv("CONSOLIDATION_LOG_LEVEL", "debug")
+    settings = load_settings()
+    assert settings.wave_size == 50
+    assert settings.llm_base_url == "http://127.0.0.1:9/v1"
+    assert settings.log_level == "DEBUG"
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("CONSOLIDATION_WAVE_SIZE", "zero"),
+        ("CONSOLIDATION_GROUP_PARALLELISM", "0"),
+        ("CONSOLIDATION_DATABASE_URL", "mysql://x"),
+        ("CONSOLIDATION_LOG_FORMAT", "xml"),
+        ("CONSOLIDATION_LEASE_S", "-1"),
+    ],
+)
+def test_a_bad_value_raises_a_one_line_error_naming_the_variable(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str
+) -> None:
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as excinfo:
+        load_settings()
+    message = str(excinfo.value)
+    assert name in message and "\n" not in message
