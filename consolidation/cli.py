@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -16,9 +17,11 @@ import orjson
 import structlog
 
 from consolidation import db
+from consolidation.engine import RunSummary
 from consolidation.errors import ConfigError, ConsolidationError, ValidationError
 from consolidation.logs import configure_logging
 from consolidation.memories import NewMemory, bank_id_problems, content_id, parse_memory
+from consolidation.queue import Operation
 from consolidation.settings import Settings, load_settings
 
 log = structlog.get_logger(__name__)
@@ -112,6 +115,107 @@ def cmd_ingest(args: argparse.Namespace, settings: Settings) -> int:
     return EXIT_OK
 
 
+# --- replay ---------------------------------------------------------------------------------
+
+
+class ProgressBar:
+    """A one-line progress bar on stderr, drawn only on a terminal."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.drawn = False
+
+    def update(self, summary: RunSummary) -> None:
+        if not self.enabled:
+            return
+        total = max(summary.total, summary.processed, 1)
+        width = 30
+        filled = int(width * summary.processed / total)
+        sys.stderr.write(
+            f"\r[{'#' * filled}{'.' * (width - filled)}] {summary.processed}/{summary.total} "
+            f"memories ({summary.failed} failed)"
+        )
+        sys.stderr.flush()
+        self.drawn = True
+
+    def close(self) -> None:
+        if self.drawn:
+            sys.stderr.write("\n")
+
+
+async def _replay(settings: Settings, bank: str, reset: bool, bar: ProgressBar) -> Operation:
+    from consolidation import queue, store
+    from consolidation.engine import EngineConfig, StopSignal, run_operation
+    from consolidation.runtime import open_runtime, worker_identity
+
+    async with open_runtime(settings, pool_size=settings.group_parallelism + 4) as rt:
+        if not await store.bank_exists(rt.pool, bank):
+            raise CLIError(f"bank {bank!r} does not exist (ingest memories into it first)")
+        if reset:
+            await store.reset_bank(rt.pool, bank)
+        try:
+            lease = await queue.start_foreground(
+                rt.pool, bank, worker_identity("replay"), settings.lease_s
+            )
+        except queue.BankBusy as exc:
+            raise CLIError(str(exc), EXIT_FAILED) from None
+        stop = StopSignal()
+
+        def on_cancel(_conn: object, _pid: int, _channel: str, payload: str) -> None:
+            if payload == str(lease.operation_id):
+                stop.set("cancel")
+
+        listener = await db.connect(rt.database_url)
+        await listener.add_listener(queue.NOTIFY_CANCEL, on_cancel)
+        loop = asyncio.get_running_loop()
+        # Ctrl-C cancels the operation like an API cancel: applied work is kept and marked.
+        loop.add_signal_handler(signal.SIGINT, stop.set, "cancel")
+        loop.add_signal_handler(signal.SIGTERM, stop.set, "cancel")
+        try:
+            await run_operation(
+                rt.pool,
+                lease,
+                rt.llm,
+                EngineConfig.from_settings(settings),
+                stop=stop,
+                on_progress=bar.update,
+            )
+        finally:
+            loop.remove_signal_handler(signal.SIGINT)
+            loop.remove_signal_handler(signal.SIGTERM)
+            await listener.close()
+            bar.close()
+        return await queue.get_operation(rt.pool, lease.operation_id)
+
+
+def describe_operation(op: Operation) -> str:
+    """One human line about a finished operation."""
+    result = op.result or {}
+    perf = result.get("perf", {})
+    actions = ", ".join(
+        f"{perf.get(k, 0)} {k}"
+        for k in ("created", "updated", "merged", "multiple", "skipped", "failed")
+    )
+    line = (
+        f"operation {op.id} {op.status}: {result.get('processed', 0)} memories processed "
+        f"({actions}); {perf.get('llm_calls', 0)} LLM calls"
+    )
+    return line + (f"; error: {op.error}" if op.error and op.status != "completed" else "")
+
+
+def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
+    problems = bank_id_problems(args.bank)
+    if problems:
+        raise CLIError(problems[0])
+    bar = ProgressBar(enabled=sys.stderr.isatty() and not args.json)
+    op = asyncio.run(_replay(settings, args.bank, args.reset, bar))
+    if args.json:
+        sys.stdout.write(orjson.dumps(op.to_json(), option=orjson.OPT_INDENT_2).decode() + "\n")
+    else:
+        print(describe_operation(op))
+    return EXIT_OK if op.status == "completed" else EXIT_FAILED
+
+
 # --- parser ---------------------------------------------------------------------------------
 
 
@@ -130,6 +234,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("bank", metavar="BANK")
     p.add_argument("file", metavar="FILE.jsonl", help="path, or - for standard input")
     p.set_defaults(handler=cmd_ingest)
+
+    p = sub.add_parser(
+        "replay", help="consolidate one bank in the foreground, to completion (Ctrl-C cancels)"
+    )
+    p.add_argument("bank", metavar="BANK")
+    p.add_argument(
+        "--reset",
+        action="store_true",
+        help="first clear the bank's markers, outcomes and observations",
+    )
+    p.add_argument("--json", action="store_true", help="print the final operation as JSON")
+    p.set_defaults(handler=cmd_replay)
     return parser
 
 

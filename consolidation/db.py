@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +49,23 @@ def database_url(settings: Settings) -> str:
         ) from exc
 
 
+def _json_default(value: object) -> str:
+    # asyncpg returns its own UUID subclass, which orjson does not recognise.
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def dumps(value: object) -> str:
+    """JSON text for a json/jsonb parameter."""
+    return orjson.dumps(value, default=_json_default).decode()
+
+
 async def _init_connection(conn: asyncpg.Connection) -> None:
     for name in ("json", "jsonb"):
         await conn.set_type_codec(
             name,
-            encoder=lambda v: orjson.dumps(v).decode(),
+            encoder=dumps,
             decoder=orjson.loads,
             schema="pg_catalog",
         )
@@ -77,13 +91,20 @@ async def create_pool(url: str, *, min_size: int = 1, max_size: int = 10) -> asy
     return pool
 
 
+def migrations_dir() -> Path:
+    """The Alembic directory (``migrations/`` in the repository, installed as
+    ``consolidation.migrations``)."""
+    spec = importlib.util.find_spec("consolidation.migrations")
+    if spec is None or spec.origin is None:
+        raise ConfigError("the consolidation.migrations package is missing: reinstall the package")
+    return Path(spec.origin).parent
+
+
 def _alembic_config(url: str) -> Any:
     from alembic.config import Config
 
-    import migrations
-
     cfg = Config()
-    cfg.set_main_option("script_location", str(Path(migrations.__file__).parent))
+    cfg.set_main_option("script_location", str(migrations_dir()))
     cfg.set_main_option("sqlalchemy.url", sqlalchemy_url(url).replace("%", "%%"))
     return cfg
 

@@ -12,6 +12,7 @@ import asyncpg
 
 from consolidation.errors import ValidationError
 from consolidation.memories import NewMemory
+from consolidation.queue import Lease, check_fence
 from consolidation.scopes import Scope
 
 SCOPE_SEP = "\x1f"
@@ -195,6 +196,339 @@ async def reset_bank(conn: asyncpg.Connection | asyncpg.Pool, bank_id: str) -> N
     async with _acquire(conn) as c, c.transaction():
         for statement in RESET_BANK:
             await c.execute(statement, bank_id)
+
+
+# --- the engine: waves, recall, apply, markers -------------------------------------------
+
+
+@dataclass(frozen=True)
+class WaveMemory:
+    """A pending memory as a wave sees it, with the scopes the journal already has."""
+
+    id: uuid.UUID
+    text: str
+    tags: tuple[str, ...]
+    occurred_at: datetime | None
+    order: datetime
+    scopes: tuple[Scope, ...]
+    journaled: frozenset[Scope]
+
+
+# Keyset pagination in consolidation order: each operation walks the pending memories once, so
+# memories left pending on purpose (a scoped operation's other scopes) are not fetched again.
+FETCH_WAVE = """
+SELECT m.id, m.text, m.tags, m.occurred_at, m.consolidation_order, m.scope_keys,
+       ARRAY(SELECT array_to_string(o.scope, E'\\x1f') FROM consolidation_outcomes o
+             WHERE o.memory_id = m.id) AS journaled_keys
+FROM memories m
+WHERE m.bank_id = $1
+  AND m.consolidated_at IS NULL AND m.consolidation_failed_at IS NULL
+  AND (m.consolidation_order, m.id) > ($2::timestamptz, $3::uuid)
+  AND ($5::text[] IS NULL OR m.scope_keys && $5::text[])
+ORDER BY m.consolidation_order, m.id
+LIMIT $4
+"""
+
+WAVE_START = (datetime.fromisoformat("0001-01-01T00:00:00+00:00"), uuid.UUID(int=0))
+
+
+async def fetch_wave(
+    conn: asyncpg.Connection | asyncpg.Pool,
+    bank_id: str,
+    after: tuple[datetime, uuid.UUID] | None,
+    limit: int,
+    scope_filter: Sequence[Scope] | None,
+) -> list[WaveMemory]:
+    """The next ``limit`` pending memories after ``after`` in consolidation order."""
+    order, last_id = after or WAVE_START
+    filter_keys = None if scope_filter is None else [scope_key(s) for s in scope_filter]
+    rows = await conn.fetch(FETCH_WAVE, bank_id, order, last_id, limit, filter_keys)
+    return [
+        WaveMemory(
+            id=r["id"],
+            text=r["text"],
+            tags=tuple(r["tags"]),
+            occurred_at=r["occurred_at"],
+            order=r["consolidation_order"],
+            scopes=tuple(scope_from_key(k) for k in r["scope_keys"]),
+            journaled=frozenset(scope_from_key(k) for k in r["journaled_keys"]),
+        )
+        for r in rows
+    ]
+
+
+COUNT_PENDING = """
+SELECT count(*) FROM memories m
+WHERE m.bank_id = $1 AND m.consolidated_at IS NULL AND m.consolidation_failed_at IS NULL
+  AND ($2::text[] IS NULL OR m.scope_keys && $2::text[])
+"""
+
+
+async def count_pending(
+    conn: asyncpg.Connection | asyncpg.Pool, bank_id: str, scope_filter: Sequence[Scope] | None
+) -> int:
+    filter_keys = None if scope_filter is None else [scope_key(s) for s in scope_filter]
+    return int(await conn.fetchval(COUNT_PENDING, bank_id, filter_keys))
+
+
+async def bank_mission(conn: asyncpg.Connection | asyncpg.Pool, bank_id: str) -> str | None:
+    mission: str | None = await conn.fetchval("SELECT mission FROM banks WHERE id = $1", bank_id)
+    return mission
+
+
+@dataclass(frozen=True)
+class RecalledObservation:
+    id: uuid.UUID
+    text: str
+    sources: int
+    updated_at: datetime
+
+
+# Full-text relevance to the batch's facts first (an OR of their lexemes), then the most
+# recently updated observations of the scope, capped at $3 in all.
+RECALL = """
+WITH q AS (
+    SELECT NULLIF(array_to_string(ARRAY(
+               SELECT quote_literal(l)
+               FROM unnest(tsvector_to_array(to_tsvector('english'::regconfig, $4))) AS l),
+           ' | '), '')::tsquery AS query
+), ranked AS (
+    SELECT o.id, o.text, o.updated_at, ts_rank(o.search, q.query) AS rank
+    FROM observations o, q
+    WHERE q.query IS NOT NULL AND o.search @@ q.query AND o.bank_id = $1 AND o.scope = $2
+    ORDER BY rank DESC, o.updated_at DESC
+    LIMIT $3
+), recent AS (
+    SELECT o.id, o.text, o.updated_at, -1::real AS rank
+    FROM observations o
+    WHERE o.bank_id = $1 AND o.scope = $2 AND o.id NOT IN (SELECT id FROM ranked)
+    ORDER BY o.updated_at DESC
+    LIMIT $3
+)
+SELECT c.id, c.text, c.updated_at,
+       (SELECT count(*) FROM observation_sources s WHERE s.observation_id = c.id) AS sources
+FROM (SELECT * FROM ranked UNION ALL SELECT * FROM recent) AS c
+ORDER BY c.rank DESC, c.updated_at DESC
+LIMIT $3
+"""
+
+
+async def recall(
+    conn: asyncpg.Connection | asyncpg.Pool,
+    bank_id: str,
+    scope: Scope,
+    fact_texts: Sequence[str],
+    limit: int,
+) -> list[RecalledObservation]:
+    """The observations of one scope a pass should see (DESIGN §2, Recall)."""
+    if limit <= 0:
+        return []
+    rows = await conn.fetch(RECALL, bank_id, list(scope), limit, "\n".join(fact_texts))
+    return [
+        RecalledObservation(r["id"], r["text"], int(r["sources"]), r["updated_at"]) for r in rows
+    ]
+
+
+@dataclass(frozen=True)
+class ObservationWrite:
+    """Create (``previous`` empty) or update/merge: ``ids[0]`` keeps, ``ids[1:]`` merge into it."""
+
+    ids: tuple[uuid.UUID, ...]
+    text: str
+    memory_ids: tuple[uuid.UUID, ...]
+    create: bool
+
+
+@dataclass(frozen=True)
+class Outcome:
+    memory_id: uuid.UUID
+    action: str
+    observation_ids: tuple[uuid.UUID, ...]
+
+
+@dataclass(frozen=True)
+class PassWrite:
+    """Everything one successful pass writes, in one transaction."""
+
+    bank_id: str
+    scope: Scope
+    operation_id: uuid.UUID
+    observations: tuple[ObservationWrite, ...]
+    outcomes: tuple[Outcome, ...]
+
+
+class StaleObservation(Exception):
+    """An observation the answer refers to is gone or not in the pass's bank and scope."""
+
+
+INSERT_OBSERVATIONS = """
+INSERT INTO observations (id, bank_id, scope, text)
+SELECT t.id, $1, $2, t.text FROM unnest($3::uuid[], $4::text[]) AS t(id, text)
+"""
+
+LOCK_OBSERVATIONS = """
+SELECT id, text, version FROM observations
+WHERE id = ANY($1::uuid[]) AND bank_id = $2 AND scope = $3
+FOR UPDATE
+"""
+
+UPDATE_OBSERVATION = """
+UPDATE observations SET text = $2, updated_at = now(), version = version + 1
+WHERE id = $1
+RETURNING version
+"""
+
+MOVE_SOURCES = """
+INSERT INTO observation_sources (observation_id, memory_id, operation_id, created_at)
+SELECT $1, s.memory_id, s.operation_id, s.created_at
+FROM observation_sources s WHERE s.observation_id = ANY($2::uuid[])
+ON CONFLICT DO NOTHING
+"""
+
+INSERT_HISTORY = """
+INSERT INTO observation_history
+    (observation_id, bank_id, scope, operation_id, action, version, previous_text, new_text,
+     merged_into, memory_ids)
+SELECT t.observation_id, $1, $2, $3, t.action, t.version, t.previous_text, t.new_text,
+       t.merged_into, ARRAY(SELECT jsonb_array_elements_text(t.memory_ids))::uuid[]
+FROM jsonb_to_recordset($4::jsonb) AS t(observation_id uuid, action text, version int,
+     previous_text text, new_text text, merged_into uuid, memory_ids jsonb)
+"""
+
+DELETE_OBSERVATIONS = "DELETE FROM observations WHERE id = ANY($1::uuid[])"
+
+INSERT_SOURCES = """
+INSERT INTO observation_sources (observation_id, memory_id, operation_id)
+SELECT t.observation_id, t.memory_id, $3 FROM unnest($1::uuid[], $2::uuid[])
+    AS t(observation_id, memory_id)
+ON CONFLICT DO NOTHING
+"""
+
+INSERT_OUTCOMES = """
+INSERT INTO consolidation_outcomes (memory_id, scope, operation_id, action, observation_ids)
+SELECT t.memory_id, $1, $2, t.action,
+       ARRAY(SELECT jsonb_array_elements_text(t.observation_ids))::uuid[]
+FROM jsonb_to_recordset($3::jsonb) AS t(memory_id uuid, action text, observation_ids jsonb)
+"""
+
+
+async def apply_pass(pool: asyncpg.Pool, lease: Lease, write: PassWrite) -> None:
+    """Apply one pass in ONE transaction that first checks the operation's fence.
+
+    Raises LeaseLost (nothing written) or StaleObservation (nothing written).
+    """
+    scope = list(write.scope)
+    creates = [w for w in write.observations if w.create]
+    changes = [w for w in write.observations if not w.create]
+    async with pool.acquire() as conn, conn.transaction():
+        await check_fence(conn, lease)
+        history: list[dict[str, Any]] = []
+        if changes:
+            touched = [i for w in changes for i in w.ids]
+            old = {
+                r["id"]: r
+                for r in await conn.fetch(LOCK_OBSERVATIONS, touched, write.bank_id, scope)
+            }
+            missing = [i for i in touched if i not in old]
+            if missing:
+                raise StaleObservation(f"observation(s) {missing} not in this bank and scope")
+            for w in changes:
+                keep, merged = w.ids[0], list(w.ids[1:])
+                version = await conn.fetchval(UPDATE_OBSERVATION, keep, w.text)
+                history.append(
+                    _history(
+                        keep,
+                        "merged" if merged else "updated",
+                        version,
+                        old[keep]["text"],
+                        w.text,
+                        None,
+                        w.memory_ids,
+                    )
+                )
+                if merged:
+                    await conn.execute(MOVE_SOURCES, keep, merged)
+                    history += [
+                        _history(
+                            m,
+                            "merged_away",
+                            old[m]["version"],
+                            old[m]["text"],
+                            None,
+                            keep,
+                            w.memory_ids,
+                        )
+                        for m in merged
+                    ]
+                    await conn.execute(DELETE_OBSERVATIONS, merged)
+            await conn.execute(INSERT_HISTORY, write.bank_id, scope, write.operation_id, history)
+        if creates:
+            await conn.execute(
+                INSERT_OBSERVATIONS,
+                write.bank_id,
+                scope,
+                [w.ids[0] for w in creates],
+                [w.text for w in creates],
+            )
+        pairs = [(w.ids[0], m) for w in write.observations for m in w.memory_ids]
+        if pairs:
+            await conn.execute(
+                INSERT_SOURCES, [p[0] for p in pairs], [p[1] for p in pairs], write.operation_id
+            )
+        await conn.execute(
+            INSERT_OUTCOMES,
+            scope,
+            write.operation_id,
+            [
+                {"memory_id": o.memory_id, "action": o.action, "observation_ids": o.observation_ids}
+                for o in write.outcomes
+            ],
+        )
+
+
+def _history(
+    observation_id: uuid.UUID,
+    action: str,
+    version: int,
+    previous_text: str,
+    new_text: str | None,
+    merged_into: uuid.UUID | None,
+    memory_ids: Sequence[uuid.UUID],
+) -> dict[str, Any]:
+    return {
+        "observation_id": observation_id,
+        "action": action,
+        "version": version,
+        "previous_text": previous_text,
+        "new_text": new_text,
+        "merged_into": merged_into,
+        "memory_ids": list(memory_ids),
+    }
+
+
+# Fenced per row: a worker that lost its lease marks nothing. Executed with executemany, which
+# asyncpg sends as one pipelined round trip.
+COMMIT_MARKER = """
+UPDATE memories
+SET consolidated_at = CASE WHEN $2 THEN now() END,
+    consolidation_failed_at = CASE WHEN $2 THEN NULL ELSE now() END
+WHERE id = $1 AND consolidated_at IS NULL AND consolidation_failed_at IS NULL
+  AND EXISTS (SELECT 1 FROM operations
+              WHERE id = $3 AND worker_id = $4 AND attempt = $5 AND status = 'running')
+"""
+
+
+async def commit_wave_markers(
+    pool: asyncpg.Pool,
+    lease: Lease,
+    consolidated: Sequence[uuid.UUID],
+    failed: Sequence[uuid.UUID],
+) -> None:
+    """Mark a wave's finished memories: ONE executemany, one round trip."""
+    fence = (lease.operation_id, lease.worker_id, lease.attempt)
+    args = [(m, True, *fence) for m in consolidated] + [(m, False, *fence) for m in failed]
+    if args:
+        await pool.executemany(COMMIT_MARKER, args)
 
 
 # --- helpers -------------------------------------------------------------------------------

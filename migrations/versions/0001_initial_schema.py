@@ -31,7 +31,8 @@ CREATE TABLE memories (
     -- ('' is the shared scope), so scope filters are an array overlap on an index.
     scope_keys              text[] NOT NULL,
     occurred_at             timestamptz,
-    created_at              timestamptz NOT NULL DEFAULT now(),
+    -- clock_timestamp(): rows of one insert keep their order instead of sharing now().
+    created_at              timestamptz NOT NULL DEFAULT clock_timestamp(),
     consolidation_order     timestamptz GENERATED ALWAYS AS (COALESCE(occurred_at, created_at)) STORED,
     consolidated_at         timestamptz,
     consolidation_failed_at timestamptz,

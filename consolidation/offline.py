@@ -1,0 +1,169 @@
+"""The offline consolidator: a deterministic lexical policy over the DESIGN §3 wire format. Pure.
+
+Used when no LLM is configured and served by ``consolidation fake-llm``. Each fact updates the
+observation it resembles most, merges the request observations it resembles if there are
+several, or becomes a new observation. Every answer it returns is valid for its request.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from consolidation.prompts import MAX_OBSERVATION_CHARS
+
+# High enough that sharing only a subject ("Alice ...") does not match a three-word fact,
+# low enough that a restated habit with a changed detail does.
+SIMILARITY_THRESHOLD = 0.5
+
+_STOP_WORDS_TEXT = """
+    a about after again all also am an and any are as at be been before being but by can could
+    did do does doing for from had has have having he her here hers him his how if in into is it
+    its itself just me more most my no nor not of off on once only or other our ours out over
+    own same she should so some such than that the their theirs them then there these they this
+    those through to too under until up very was we were what when where which while who whom
+    why will with would you your yours
+"""
+_STOP_WORDS = frozenset(_STOP_WORDS_TEXT.split())
+_WORD = re.compile(r"[^\W_]+")
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+
+
+def _tokens(text: str) -> frozenset[str]:
+    words = set(_WORD.findall(text.lower()))
+    return frozenset(word for word in words if len(word) > 1) - _STOP_WORDS
+
+
+def _overlap(a: frozenset[str], b: frozenset[str]) -> float:
+    if not a or not b:
+        return 0.0
+    return len(a & b) / min(len(a), len(b))
+
+
+def similarity(a: str, b: str) -> float:
+    """Overlap coefficient of the content words of ``a`` and ``b``: 0 (none shared) to 1."""
+    return _overlap(_tokens(a), _tokens(b))
+
+
+def _normalized(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def _contains(hay: str, pin: str) -> bool:
+    """Whether normalized ``pin`` occurs in normalized ``hay`` as whole words."""
+    if not pin:
+        return True
+    start = hay.find(pin)
+    while start != -1:
+        end = start + len(pin)
+        before_ok = start == 0 or not hay[start - 1].isalnum() or not pin[0].isalnum()
+        after_ok = end == len(hay) or not hay[end].isalnum() or not pin[-1].isalnum()
+        if before_ok and after_ok:
+            return True
+        start = hay.find(pin, start + 1)
+    return False
+
+
+def _fit(text: str) -> str:
+    """Trim to the size limit by dropping the oldest sentences; never returns an empty text."""
+    text = text.strip()
+    if len(text) <= MAX_OBSERVATION_CHARS:
+        return text
+    sentences = _SENTENCE_END.split(text)
+    while len(sentences) > 1 and len(" ".join(sentences)) > MAX_OBSERVATION_CHARS:
+        sentences.pop(0)
+    # A single sentence over the limit keeps its beginning, which reads better than its end.
+    return " ".join(sentences)[:MAX_OBSERVATION_CHARS].strip()
+
+
+def _append(text: str, addition: str) -> str:
+    """``text`` followed by ``addition``, without repeating what one already says of the other."""
+    old, new = _normalized(text), _normalized(addition)
+    if _contains(old, new):
+        return _fit(text)
+    if _contains(new, old):
+        return _fit(addition)
+    return _fit(f"{text} {addition}")
+
+
+@dataclass(eq=False)  # identity matters: two entries may hold equal text
+class _Entry:
+    """One observation of the working set: a request observation (with whatever it absorbed
+    so far) or one created earlier in this answer."""
+
+    text: str
+    refs: list[str]  # request observation refs, the kept one first; empty for a create
+    facts: list[str] = field(default_factory=list)
+    touched: bool = False
+    tokens: frozenset[str] = frozenset()
+    normalized: str = ""
+
+    def set_text(self, text: str) -> None:
+        self.text = text
+        self.tokens = _tokens(text)
+        self.normalized = _normalized(text)
+
+    def cite(self, ref: str) -> None:
+        if ref not in self.facts:
+            self.facts.append(ref)
+        self.touched = True
+
+
+def _score(entry: _Entry, fact_normalized: str, fact_tokens: frozenset[str]) -> float:
+    # An already-contained fact is the strongest match even when it has no content words.
+    if _contains(entry.normalized, fact_normalized):
+        return 1.0
+    return _overlap(entry.tokens, fact_tokens)
+
+
+def consolidate(request: Mapping[str, Any]) -> dict[str, Any]:
+    """Answer one DESIGN §3 request (the parsed user JSON) with a valid answer object."""
+    working: list[_Entry] = []
+    for obs in request.get("observations") or []:
+        entry = _Entry(text="", refs=[str(obs["ref"])])
+        entry.set_text(_fit(str(obs.get("text") or "")))
+        working.append(entry)
+
+    for fact in request.get("facts") or []:
+        ref, fact_text = str(fact["ref"]), " ".join(str(fact.get("text") or "").split())
+        if not fact_text:
+            continue  # nothing to say; the fact stays uncited and is reported as skipped
+        fact_tokens, fact_normalized = _tokens(fact_text), fact_text.lower()
+        scored = [(_score(entry, fact_normalized, fact_tokens), entry) for entry in working]
+        # sorted() is stable, so ties keep working-set order and the answer stays deterministic.
+        matches = [
+            entry
+            for score, entry in sorted(scored, key=lambda pair: -pair[0])
+            if score >= SIMILARITY_THRESHOLD
+        ]
+        existing = [entry for entry in matches if entry.refs]
+        if len(existing) >= 2:
+            target = existing[0]
+            for other in existing[1:]:
+                target.refs.extend(other.refs)
+                target.facts.extend(cited for cited in other.facts if cited not in target.facts)
+                target.set_text(_append(target.text, other.text))
+                working = [entry for entry in working if entry is not other]
+        elif matches:
+            target = matches[0]
+        else:
+            target = _Entry(text="", refs=[])
+            working.append(target)
+        target.set_text(_append(target.text, fact_text))
+        target.cite(ref)
+
+    answer: dict[str, Any] = {"creates": [], "updates": [], "merges": []}
+    for entry in working:
+        if not entry.refs:
+            answer["creates"].append({"text": entry.text, "facts": entry.facts})
+        elif len(entry.refs) >= 2:
+            answer["merges"].append(
+                {"observations": entry.refs, "text": entry.text, "facts": entry.facts}
+            )
+        elif entry.touched:
+            answer["updates"].append(
+                {"observation": entry.refs[0], "text": entry.text, "facts": entry.facts}
+            )
+    return answer

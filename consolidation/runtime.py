@@ -1,0 +1,69 @@
+"""Build the long-lived parts from settings: database pool and LLM client. Shared by the CLI
+verbs and the service so both run on identical parts."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+
+import asyncpg
+import structlog
+
+from consolidation import db
+from consolidation.llm import Consolidator, HTTPConsolidator, OfflineConsolidator
+from consolidation.settings import Settings
+
+log = structlog.get_logger(__name__)
+
+
+def build_consolidator(settings: Settings) -> Consolidator:
+    """The HTTP client when an LLM URL is configured, else the offline consolidator (warned)."""
+    if settings.llm_base_url is None:
+        log.warning(
+            "offline_consolidator",
+            message="CONSOLIDATION_LLM_BASE_URL is not set: using the built-in offline "
+            "consolidator (lexical similarity, no LLM). Set it to use a real model.",
+        )
+        return OfflineConsolidator()
+    return HTTPConsolidator(
+        base_url=settings.llm_base_url,
+        model=settings.llm_model,
+        api_key=settings.llm_api_key.get_secret_value() if settings.llm_api_key else None,
+        timeout_s=settings.llm_timeout_s,
+        max_retries=settings.llm_max_retries,
+        max_concurrent=settings.llm_max_concurrent,
+        response_format=settings.llm_response_format,
+        backoff_base_s=settings.llm_backoff_base_s,
+        backoff_max_s=settings.llm_backoff_max_s,
+    )
+
+
+def worker_identity(kind: str) -> str:
+    """A worker id that says where it runs: ``kind:host:pid``."""
+    return f"{kind}:{socket.gethostname()}:{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class Runtime:
+    settings: Settings
+    database_url: str
+    pool: asyncpg.Pool
+    llm: Consolidator
+
+
+@asynccontextmanager
+async def open_runtime(
+    settings: Settings, *, pool_size: int | None = None
+) -> AsyncIterator[Runtime]:
+    """Database (migrated) and LLM client, closed in reverse order on exit."""
+    async with AsyncExitStack() as stack:
+        url = await db.prepare_database(settings)
+        size = pool_size or max(10, settings.group_parallelism * settings.worker_concurrency + 4)
+        pool = await db.create_pool(url, min_size=1, max_size=size)
+        stack.push_async_callback(pool.close)
+        llm = build_consolidator(settings)
+        stack.push_async_callback(llm.aclose)
+        yield Runtime(settings, url, pool, llm)

@@ -1,0 +1,80 @@
+"""Shared helpers for engine tests: ingest, run one foreground operation, read results."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import asyncpg
+
+from consolidation import queue, store
+from consolidation.engine import EngineConfig, OperationEnd, StopSignal, run_operation
+from consolidation.llm import Consolidator, HTTPConsolidator
+from consolidation.memories import parse_memories
+
+
+async def ingest(pool: asyncpg.Pool, bank: str, memories: Sequence[dict[str, Any]]) -> list[Any]:
+    result = await store.ingest_memories(pool, bank, parse_memories(list(memories)))
+    return result.ids
+
+
+async def consolidate(
+    pool: asyncpg.Pool,
+    bank: str,
+    llm: Consolidator,
+    config: EngineConfig | None = None,
+    stop: StopSignal | None = None,
+) -> OperationEnd:
+    lease = await queue.start_foreground(pool, bank, "test-worker", 30)
+    return await run_operation(pool, lease, llm, config or EngineConfig(), stop=stop)
+
+
+def http_llm(url: str, **overrides: Any) -> HTTPConsolidator:
+    options: dict[str, Any] = {
+        "base_url": url,
+        "model": "fake",
+        "max_retries": 2,
+        "backoff_base_s": 0.01,
+        "backoff_max_s": 0.05,
+        "timeout_s": 10,
+    }
+    options.update(overrides)
+    return HTTPConsolidator(**options)
+
+
+async def wait_for(condition: Callable[[], Any], timeout_s: float = 30.0, what: str = "") -> Any:
+    """Poll ``condition`` (sync or async) until truthy; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what or condition}")
+        await asyncio.sleep(0.02)
+
+
+async def observations_by_scope(pool: asyncpg.Pool, bank: str) -> dict[tuple[str, ...], list[str]]:
+    rows = await pool.fetch(
+        "SELECT scope, text FROM observations WHERE bank_id = $1 ORDER BY created_at", bank
+    )
+    out: dict[tuple[str, ...], list[str]] = {}
+    for r in rows:
+        out.setdefault(tuple(r["scope"]), []).append(r["text"])
+    return out
+
+
+async def markers(pool: asyncpg.Pool, bank: str) -> dict[str, int]:
+    row = await pool.fetchrow(
+        """SELECT count(*) FILTER (WHERE consolidated_at IS NOT NULL) AS consolidated,
+                  count(*) FILTER (WHERE consolidation_failed_at IS NOT NULL) AS failed,
+                  count(*) FILTER (WHERE consolidated_at IS NULL AND consolidation_failed_at IS NULL)
+                      AS pending
+           FROM memories WHERE bank_id = $1""",
+        bank,
+    )
+    return dict(row)

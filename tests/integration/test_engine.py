@@ -1,0 +1,219 @@
+"""The engine end to end against a real Postgres and the fake LLM over real HTTP."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import asyncpg
+import pytest
+
+from consolidation import db, store
+from consolidation.engine import EngineConfig
+from consolidation.fake_llm import FakeLLMConfig, FakeLLMServer
+from consolidation.llm import OfflineConsolidator
+from tests.integration.engine_helpers import (
+    consolidate,
+    http_llm,
+    ingest,
+    markers,
+    observations_by_scope,
+)
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeLLMServer]:
+    with FakeLLMServer(FakeLLMConfig()) as server:
+        yield server
+
+
+def topic(person: str, n: int, tags: list[str], **extra: Any) -> list[dict[str, Any]]:
+    return [
+        {"text": f"{person} drinks green tea every morning, cup {i}", "tags": tags, **extra}
+        for i in range(n)
+    ]
+
+
+async def test_same_scope_calls_never_overlap_while_different_groups_do(
+    pool: asyncpg.Pool, fake: FakeLLMServer
+) -> None:
+    fake.control(latency_ms=30)
+    memories = [m for g in range(8) for m in topic(f"Person{g}", 6, [f"group-{g}"])]
+    await ingest(pool, "b", memories)
+    llm = http_llm(fake.url)
+    try:
+        end = await consolidate(
+            pool, "b", llm, EngineConfig(wave_size=100, llm_batch_size=2, group_parallelism=8)
+        )
+    finally:
+        await llm.aclose()
+    assert end.status == "completed", end.error
+    stats = fake.stats()
+    assert stats["requests"] == 8 * 3
+    assert stats["max_in_flight_per_scope"] == 1
+    assert stats["max_distinct_scopes_in_flight"] > 1
+
+
+async def test_one_topic_over_several_batches_of_one_scope_ends_in_one_observation(
+    pool: asyncpg.Pool, fake: FakeLLMServer
+) -> None:
+    ids = await ingest(pool, "b", topic("Alice", 10, ["alice"]))
+    llm = http_llm(fake.url)
+    try:
+        end = await consolidate(pool, "b", llm, EngineConfig(llm_batch_size=3))
+    finally:
+        await llm.aclose()
+    assert end.status == "completed"
+    assert fake.stats()["requests"] == 4
+    rows = await pool.fetch(
+        "SELECT o.id, array_agg(s.memory_id) AS sources FROM observations o"
+        " JOIN observation_sources s ON s.observation_id = o.id GROUP BY o.id"
+    )
+    assert len(rows) == 1
+    assert set(rows[0]["sources"]) == set(ids)
+    perf = end.summary.perf
+    assert perf.created == 3 and perf.updated == 7
+
+
+async def test_a_poisoned_memory_is_isolated_by_splitting_and_marked_failed(
+    pool: asyncpg.Pool, fake: FakeLLMServer
+) -> None:
+    memories = topic("Bob", 8, ["bob"])
+    memories[5]["text"] = "Bob drinks green tea [[poison]]"
+    ids = await ingest(pool, "b", memories)
+    llm = http_llm(fake.url)
+    try:
+        end = await consolidate(pool, "b", llm, EngineConfig(llm_batch_size=8))
+    finally:
+        await llm.aclose()
+    assert end.status == "completed"
+    failed = await pool.fetch("SELECT id FROM memories WHERE consolidation_failed_at IS NOT NULL")
+    assert [r["id"] for r in failed] == [ids[5]]
+    assert await markers(pool, "b") == {"consolidated": 7, "failed": 1, "pending": 0}
+    assert end.summary.perf.failed == 1 and end.summary.perf.splits >= 1
+    # Nothing was written from an unusable answer: the poisoned fact is cited nowhere.
+    assert (
+        await pool.fetchval("SELECT count(*) FROM observation_sources WHERE memory_id = $1", ids[5])
+        == 0
+    )
+
+
+async def test_an_llm_that_always_answers_503_fails_the_operation_and_marks_nothing_failed(
+    pool: asyncpg.Pool, fake: FakeLLMServer
+) -> None:
+    fake.control(fail_rate=1.0, fail_status=503)
+    await ingest(pool, "b", topic("Carol", 4, ["carol"]))
+    llm = http_llm(fake.url, max_retries=2)
+    try:
+        end = await consolidate(pool, "b", llm)
+    finally:
+        await llm.aclose()
+    assert end.status == "failed"  # a foreground operation has one attempt
+    assert "TransientLLMError" in (end.error or "") or "503" in (end.error or "")
+    assert fake.stats()["requests"] == 3  # first try + 2 retries
+    assert await markers(pool, "b") == {"consolidated": 0, "failed": 0, "pending": 4}
+
+
+async def test_a_401_fails_the_operation_at_once_with_a_clear_message(
+    pool: asyncpg.Pool, fake: FakeLLMServer
+) -> None:
+    fake.control(api_key="right-key")
+    await ingest(pool, "b", topic("Dan", 4, ["dan"]))
+    llm = http_llm(fake.url, api_key="wrong-key")
+    try:
+        end = await consolidate(pool, "b", llm)
+    finally:
+        await llm.aclose()
+    assert end.status == "failed"
+    assert "401" in (end.error or "") and "CONSOLIDATION_LLM_API_KEY" in (end.error or "")
+    assert fake.stats()["requests"] == 1
+    assert await markers(pool, "b") == {"consolidated": 0, "failed": 0, "pending": 4}
+
+
+async def test_the_markers_of_a_wave_are_written_by_one_statement(
+    database_url: str, fake: FakeLLMServer
+) -> None:
+    statements: list[str] = []
+
+    async def init(conn: asyncpg.Connection) -> None:
+        await db._init_connection(conn)
+        conn.add_query_logger(lambda record: statements.append(record.query))
+
+    pool = await asyncpg.create_pool(database_url, init=init, min_size=1, max_size=10)
+    try:
+        await ingest(pool, "b", [m for g in range(5) for m in topic(f"P{g}", 6, [f"t{g}"])])
+        statements.clear()
+        llm = http_llm(fake.url)
+        try:
+            end = await consolidate(pool, "b", llm, EngineConfig(wave_size=10, llm_batch_size=4))
+        finally:
+            await llm.aclose()
+    finally:
+        await pool.close()
+    assert end.status == "completed" and end.summary.waves == 3
+    marker_writes = [s for s in statements if "consolidated_at =" in s]
+    assert len(marker_writes) == 3  # one executemany per wave, whatever the wave's size
+    assert all(s.strip() == store.COMMIT_MARKER.strip() for s in marker_writes)
+
+
+@pytest.mark.parametrize(
+    ("tags", "mode", "expected"),
+    [
+        (["b", "a"], None, [("a", "b")]),
+        (["b", "a"], "combined", [("a", "b")]),
+        (["b", "a"], "per_tag", [("a",), ("b",)]),
+        ([], "per_tag", [()]),
+        (["a", "b"], "all_combinations", [("a",), ("a", "b"), ("b",)]),
+        (["a", "b"], "shared", [()]),
+        (["a"], [["x", "y"], []], [(), ("x", "y")]),
+    ],
+)
+async def test_every_observation_scopes_mode_writes_the_right_scopes(
+    pool: asyncpg.Pool, tags: list[str], mode: Any, expected: list[tuple[str, ...]]
+) -> None:
+    memory: dict[str, Any] = {"text": "Erin plays the violin", "tags": tags}
+    if mode is not None:
+        memory["observation_scopes"] = mode
+    (memory_id,) = await ingest(pool, "b", [memory])
+    end = await consolidate(pool, "b", OfflineConsolidator())
+    assert end.status == "completed"
+    assert sorted((await observations_by_scope(pool, "b")).keys()) == expected
+    outcomes = await pool.fetch(
+        "SELECT scope FROM consolidation_outcomes WHERE memory_id = $1 ORDER BY scope", memory_id
+    )
+    assert sorted(tuple(r["scope"]) for r in outcomes) == expected
+    assert await markers(pool, "b") == {"consolidated": 1, "failed": 0, "pending": 0}
+
+
+async def test_overlapping_scopes_are_one_group_so_shared_scopes_stay_serial(
+    pool: asyncpg.Pool, fake: FakeLLMServer
+) -> None:
+    fake.control(latency_ms=20)
+    memories = [
+        {
+            "text": f"Frank note {i} about travel plans",
+            "tags": ["x", f"y{i % 3}"],
+            "observation_scopes": "per_tag",
+        }
+        for i in range(12)
+    ]
+    await ingest(pool, "b", memories)
+    llm = http_llm(fake.url)
+    try:
+        end = await consolidate(pool, "b", llm, EngineConfig(llm_batch_size=2, group_parallelism=8))
+    finally:
+        await llm.aclose()
+    assert end.status == "completed"
+    assert fake.stats()["max_in_flight_per_scope"] == 1
+
+
+async def test_a_scoped_operation_only_consolidates_its_scopes(pool: asyncpg.Pool) -> None:
+    from consolidation import queue
+    from consolidation.engine import run_operation
+
+    await ingest(pool, "b", topic("Gina", 2, ["gina"]) + topic("Hal", 2, ["hal"]))
+    lease = await queue.start_foreground(pool, "b", "w", 30, scopes=[("gina",)])
+    end = await run_operation(pool, lease, OfflineConsolidator(), EngineConfig())
+    assert end.status == "completed"
+    assert list((await observations_by_scope(pool, "b")).keys()) == [("gina",)]
+    assert await markers(pool, "b") == {"consolidated": 2, "failed": 0, "pending": 2}

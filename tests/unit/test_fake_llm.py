@@ -1,0 +1,299 @@
+"""The fake OpenAI-compatible server, spoken to with plain httpx over loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from consolidation.fake_llm import FakeLLMConfig, FakeLLMServer, create_app
+
+
+def chat_body(*facts: str, bank: str = "b1", scope: tuple[str, ...] = ("x",)) -> dict[str, Any]:
+    user = {
+        "bank": bank,
+        "scope": list(scope),
+        "mission": None,
+        "facts": [
+            {"ref": f"f{i}", "text": text, "tags": list(scope), "occurred_at": None}
+            for i, text in enumerate(facts, start=1)
+        ],
+        "observations": [],
+    }
+    return {
+        "model": "fake-model",
+        "temperature": 0,
+        "messages": [
+            {"role": "system", "content": "You consolidate memories."},
+            {"role": "user", "content": orjson.dumps(user).decode()},
+        ],
+        "response_format": {"type": "json_object"},
+    }
+
+
+async def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Poll ``condition`` until it holds; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached before the deadline")
+        await asyncio.sleep(0.005)
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeLLMServer]:
+    with FakeLLMServer(FakeLLMConfig(seed=7)) as server:
+        yield server
+
+
+@pytest.fixture
+async def http(fake: FakeLLMServer) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=fake.url, timeout=10.0) as client:
+        yield client
+
+
+@pytest.mark.parametrize("path", ["/chat/completions", "/v1/chat/completions"])
+async def test_answers_in_the_chat_completion_shape(fake: FakeLLMServer, path: str) -> None:
+    root = fake.url.removesuffix("/v1")
+    async with httpx.AsyncClient(base_url=root) as client:
+        response = await client.post(path, json=chat_body("Alice lives in Paris."))
+    assert response.status_code == 200
+    body = response.json()
+    assert body["id"].startswith("chatcmpl-")
+    assert body["object"] == "chat.completion"
+    assert body["model"] == "fake-model"
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert choice["message"]["role"] == "assistant"
+    answer = orjson.loads(choice["message"]["content"])
+    assert answer["creates"][0]["facts"] == ["f1"]
+    assert body["usage"]["prompt_tokens"] > 0
+    assert body["usage"]["completion_tokens"] > 0
+
+
+async def test_records_each_call(fake: FakeLLMServer, http: httpx.AsyncClient) -> None:
+    await http.post("/chat/completions", json=chat_body("one", "two", bank="b2", scope=("a", "b")))
+    stats = fake.stats()
+    assert (stats["requests"], stats["completed"], stats["failed"], stats["aborted"]) == (
+        1,
+        1,
+        0,
+        0,
+    )
+    assert stats["in_flight"] == 0
+    assert stats["statuses"] == {200: 1}
+    (call,) = stats["calls"]
+    assert call["bank"] == "b2"
+    assert call["scope"] == ["a", "b"]
+    assert call["fact_texts"] == ["one", "two"]
+    assert call["status"] == 200
+    assert call["started"] <= call["ended"]
+    assert call["response_format"] == "json_object"
+
+
+@pytest.mark.parametrize(
+    ("marker", "check"),
+    [
+        ("[[poison]]", lambda content, finish: "f9999" in content and finish == "stop"),
+        ("[[badjson]]", lambda content, finish: content == "this is not json"),
+        ("[[empty]]", lambda content, finish: content == ""),
+        ("[[truncate]]", lambda content, finish: finish == "length"),
+    ],
+)
+async def test_poison_markers_spoil_the_whole_request(
+    http: httpx.AsyncClient, marker: str, check: Callable[[str, str], bool]
+) -> None:
+    response = await http.post(
+        "/chat/completions", json=chat_body("a fine fact", f"a fact {marker} here")
+    )
+    choice = response.json()["choices"][0]
+    assert check(choice["message"]["content"], choice["finish_reason"])
+
+
+async def test_truncated_answer_is_half_of_the_full_one(
+    fake: FakeLLMServer, http: httpx.AsyncClient
+) -> None:
+    fake.control(pad_bytes=1000)
+    response = await http.post("/chat/completions", json=chat_body("x [[truncate]]"))
+    content = response.json()["choices"][0]["message"]["content"]
+    assert 500 <= len(content) < 1000
+    with pytest.raises(orjson.JSONDecodeError):
+        orjson.loads(content)
+
+
+async def test_pad_bytes_keeps_the_answer_valid_json(
+    fake: FakeLLMServer, http: httpx.AsyncClient
+) -> None:
+    fake.control(pad_bytes=200_000)
+    response = await http.post("/chat/completions", json=chat_body("Alice lives in Paris."))
+    content = response.json()["choices"][0]["message"]["content"]
+    assert len(content) > 200_000
+    assert orjson.loads(content)["creates"]
+
+
+async def test_fail_rate_answers_fail_status_with_retry_after(
+    fake: FakeLLMServer, http: httpx.AsyncClient
+) -> None:
+    fake.control(fail_rate=1.0, fail_status=429, retry_after_s=2)
+    response = await http.post("/chat/completions", json=chat_body("a fact"))
+    assert response.status_code == 429
+    assert response.headers["retry-after"] == "2"
+    assert "error" in response.json()
+    stats = fake.stats()
+    assert (stats["failed"], stats["completed"], stats["statuses"]) == (1, 0, {429: 1})
+
+
+async def test_same_seed_gives_the_same_failures() -> None:
+    async def statuses() -> list[int]:
+        with FakeLLMServer(FakeLLMConfig(fail_rate=0.5, seed=42)) as server:
+            async with httpx.AsyncClient(base_url=server.url) as client:
+                return [
+                    (await client.post("/chat/completions", json=chat_body("f"))).status_code
+                    for _ in range(20)
+                ]
+
+    first = await statuses()
+    assert first == await statuses()
+    assert {200, 503} == set(first)
+
+
+async def test_api_key_requires_the_bearer_token() -> None:
+    with FakeLLMServer(FakeLLMConfig(api_key="secret")) as server:
+        async with httpx.AsyncClient(base_url=server.url) as client:
+            missing = await client.post("/chat/completions", json=chat_body("a"))
+            wrong = await client.post(
+                "/chat/completions",
+                json=chat_body("a"),
+                headers={"authorization": "Bearer nope"},
+            )
+            right = await client.post(
+                "/chat/completions",
+                json=chat_body("a"),
+                headers={"authorization": "Bearer secret"},
+            )
+    assert (missing.status_code, wrong.status_code, right.status_code) == (401, 401, 200)
+
+
+async def test_script_items_are_consumed_in_order(
+    fake: FakeLLMServer, http: httpx.AsyncClient
+) -> None:
+    fake.control(
+        script=[
+            {"status": 503, "retry_after": 0.5},
+            {"content": "scripted", "finish_reason": "length"},
+            {"status": 400, "body": "response_format json_schema is not supported"},
+        ]
+    )
+    first = await http.post("/chat/completions", json=chat_body("a"))
+    second = await http.post("/chat/completions", json=chat_body("a"))
+    third = await http.post("/chat/completions", json=chat_body("a"))
+    fourth = await http.post("/chat/completions", json=chat_body("a"))
+    assert (first.status_code, first.headers["retry-after"]) == (503, "0.5")
+    assert second.json()["choices"][0] == {
+        "index": 0,
+        "message": {"role": "assistant", "content": "scripted"},
+        "finish_reason": "length",
+    }
+    assert third.status_code == 400
+    assert "response_format" in third.json()["error"]["message"]
+    assert fourth.status_code == 200
+    assert fake.stats()["script_pending"] == 0
+
+
+def test_invalid_control_is_rejected(fake: FakeLLMServer) -> None:
+    with pytest.raises(ValueError, match="unknown"):
+        fake.control(latency=5)
+    with pytest.raises(ValueError):
+        fake.control(script=[{"status": 503, "content": "x"}])
+
+
+async def test_in_flight_accounting_per_scope(fake: FakeLLMServer, http: httpx.AsyncClient) -> None:
+    fake.control(script=[{"hang": True}] * 3)
+    requests = [
+        asyncio.create_task(http.post("/chat/completions", json=chat_body("f", scope=scope)))
+        for scope in (("a",), ("a",), ("b",))
+    ]
+    await wait_until(lambda: fake.stats()["in_flight"] == 3)
+    stats = fake.stats()
+    assert stats["max_in_flight"] == 3
+    assert stats["max_in_flight_per_scope"] == 2
+    assert stats["max_distinct_scopes_in_flight"] == 2
+    for task in requests:
+        task.cancel()
+    await asyncio.gather(*requests, return_exceptions=True)
+    await wait_until(lambda: fake.stats()["aborted"] == 3)
+    stats = fake.stats()
+    assert stats["in_flight"] == 0
+    assert (stats["completed"], stats["failed"]) == (0, 0)
+    assert [call["status"] for call in stats["calls"]] == [None, None, None]
+
+
+async def test_client_leaving_during_latency_counts_as_aborted(
+    fake: FakeLLMServer, http: httpx.AsyncClient
+) -> None:
+    fake.control(latency_ms=60_000)
+    with pytest.raises(httpx.ReadTimeout):
+        await http.post("/chat/completions", json=chat_body("a"), timeout=0.2)
+    await wait_until(lambda: fake.stats()["aborted"] == 1)
+    assert fake.stats()["in_flight"] == 0
+
+
+async def test_malformed_requests_get_400(fake: FakeLLMServer, http: httpx.AsyncClient) -> None:
+    not_json = await http.post("/chat/completions", content=b"{nope")
+    body = chat_body("a")
+    body["messages"][1]["content"] = "plain words"
+    user_not_json = await http.post("/chat/completions", json=body)
+    assert (not_json.status_code, user_not_json.status_code) == (400, 400)
+    assert "DESIGN" in user_not_json.json()["error"]["message"]
+    assert fake.stats()["failed"] == 2
+
+
+async def test_http_control_stats_and_reset(fake: FakeLLMServer) -> None:
+    root = fake.url.removesuffix("/v1")
+    async with httpx.AsyncClient(base_url=root) as client:
+        control = await client.post("/_control", json={"script": [{"status": 502}], "pad_bytes": 3})
+        assert control.status_code == 200
+        assert control.json()["config"]["pad_bytes"] == 3
+        failed = await client.post("/v1/chat/completions", json=chat_body("a"))
+        assert failed.status_code == 502
+        stats = (await client.get("/_stats")).json()
+        assert stats["requests"] == 1
+        assert stats["statuses"] == {"502": 1}
+        bad = await client.post("/_control", json={"no_such_setting": 1})
+        assert bad.status_code == 400
+        assert (await client.post("/_reset")).status_code == 200
+    assert fake.stats()["requests"] == 0
+    assert fake.stats()["calls"] == []
+
+
+def test_reset_clears_stats_and_script(fake: FakeLLMServer) -> None:
+    fake.control(script=[{"hang": True}], latency_ms=5)
+    fake.reset()
+    stats = fake.stats()
+    assert stats["script_pending"] == 0
+    assert stats["requests"] == 0
+
+
+async def test_stop_does_not_wait_forever_for_a_hanging_request() -> None:
+    server = FakeLLMServer().start()
+    server.control(script=[{"hang": True}])
+    async with httpx.AsyncClient(base_url=server.url) as client:
+        request = asyncio.create_task(client.post("/chat/completions", json=chat_body("a")))
+        await wait_until(lambda: server.stats()["in_flight"] == 1)
+        await asyncio.to_thread(server.stop)
+        response = await request
+    assert response.status_code == 503
+    assert "shutting down" in response.json()["error"]["message"]
+
+
+async def test_create_app_serves_in_process() -> None:
+    transport = httpx.ASGITransport(app=create_app(FakeLLMConfig()))
+    async with httpx.AsyncClient(transport=transport, base_url="http://fake") as client:
+        response = await client.post("/v1/chat/completions", json=chat_body("Alice is here."))
+    assert response.status_code == 200
+    assert orjson.loads(response.json()["choices"][0]["message"]["content"])["creates"]

@@ -1,0 +1,381 @@
+"""The OpenAI-compatible client against the real fake server over loopback (no mocks)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from email.utils import format_datetime
+from typing import Any
+from uuid import uuid4
+
+import orjson
+import pytest
+from prometheus_client import REGISTRY
+
+from consolidation import prompts
+from consolidation.errors import InvalidLLMOutput, LLMConfigError, TransientLLMError
+from consolidation.fake_llm import FakeLLMConfig, FakeLLMServer
+from consolidation.llm import (
+    HTTPConsolidator,
+    LLMRetriesExhausted,
+    OfflineConsolidator,
+    parse_retry_after,
+    retry_delay,
+)
+from consolidation.metrics import EventLoopLagMonitor
+
+SYSTEM = "You consolidate memories."
+
+
+def user_message(*facts: str, bank: str = "b1", scope: tuple[str, ...] = ("x",)) -> str:
+    return orjson.dumps(
+        {
+            "bank": bank,
+            "scope": list(scope),
+            "mission": None,
+            "facts": [
+                {"ref": f"f{i}", "text": text, "tags": list(scope), "occurred_at": None}
+                for i, text in enumerate(facts, start=1)
+            ],
+            "observations": [],
+        }
+    ).decode()
+
+
+async def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Poll ``condition`` until it holds; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached before the deadline")
+        await asyncio.sleep(0.005)
+
+
+def metric(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeLLMServer]:
+    with FakeLLMServer(FakeLLMConfig(seed=1)) as server:
+        yield server
+
+
+@pytest.fixture
+async def make_client() -> AsyncIterator[Callable[..., HTTPConsolidator]]:
+    clients: list[HTTPConsolidator] = []
+
+    def make(base_url: str, **overrides: Any) -> HTTPConsolidator:
+        options: dict[str, Any] = {
+            "model": "test-model",
+            "timeout_s": 10.0,
+            "max_retries": 3,
+            "backoff_base_s": 0.001,
+            "backoff_max_s": 0.01,
+            **overrides,
+        }
+        client = HTTPConsolidator(base_url=base_url, **options)
+        clients.append(client)
+        return client
+
+    yield make
+    for client in clients:
+        await client.aclose()
+
+
+async def test_complete_returns_content_and_usage(fake: FakeLLMServer, make_client: Any) -> None:
+    client = make_client(fake.url + "/")
+    answer = await client.complete(SYSTEM, user_message("Alice lives in Paris."))
+    body = orjson.loads(answer.content)
+    assert body["creates"][0]["facts"] == ["f1"]
+    assert answer.prompt_tokens > 0
+    assert answer.completion_tokens > 0
+    assert answer.finish_reason == "stop"
+    assert answer.retries == 0
+    call = fake.stats()["calls"][0]
+    assert call["bank"] == "b1"
+    assert call["scope"] == ["x"]
+    assert call["response_format"] == "json_schema"
+
+
+async def test_two_503s_then_success_counts_retries(fake: FakeLLMServer, make_client: Any) -> None:
+    fake.control(script=[{"status": 503}, {"status": 503}])
+    retries_before = metric("consolidation_llm_requests_total", outcome="retry")
+    ok_before = metric("consolidation_llm_requests_total", outcome="ok")
+    answer = await make_client(fake.url).complete(SYSTEM, user_message("a fact"))
+    assert answer.retries == 2
+    stats = fake.stats()
+    assert stats["requests"] == 3
+    assert stats["statuses"] == {503: 2, 200: 1}
+    assert metric("consolidation_llm_requests_total", outcome="retry") == retries_before + 2
+    assert metric("consolidation_llm_requests_total", outcome="ok") == ok_before + 1
+
+
+async def test_exhausted_retries_raise_transient_error(
+    fake: FakeLLMServer, make_client: Any
+) -> None:
+    fake.control(fail_rate=1.0, fail_status=502)
+    with pytest.raises(TransientLLMError) as caught:
+        await make_client(fake.url, max_retries=2).complete(SYSTEM, user_message("a fact"))
+    assert isinstance(caught.value, LLMRetriesExhausted)
+    assert caught.value.attempts == 3
+    assert "502" in str(caught.value)
+    assert fake.stats()["requests"] == 3
+
+
+async def test_408_and_429_are_retried(fake: FakeLLMServer, make_client: Any) -> None:
+    fake.control(script=[{"status": 408}, {"status": 429}])
+    answer = await make_client(fake.url).complete(SYSTEM, user_message("a fact"))
+    assert answer.retries == 2
+
+
+async def test_retry_after_is_honoured(fake: FakeLLMServer, make_client: Any) -> None:
+    fake.control(script=[{"status": 503, "retry_after": 0.3}])
+    honoured_before = metric("consolidation_llm_retry_after_honoured_total")
+    # Backoff alone would wait at most 1 ms; only Retry-After explains the gap.
+    client = make_client(fake.url, backoff_max_s=0.1)
+    answer = await client.complete(SYSTEM, user_message("a fact"))
+    assert answer.retries == 1
+    failed, retried = fake.stats()["calls"]
+    assert failed["status"] == 503
+    assert retried["started"] - failed["ended"] >= 0.3
+    assert metric("consolidation_llm_retry_after_honoured_total") == honoured_before + 1
+
+
+async def test_401_is_a_config_error_without_retry(make_client: Any) -> None:
+    with FakeLLMServer(FakeLLMConfig(api_key="secret")) as fake:
+        with pytest.raises(LLMConfigError) as caught:
+            await make_client(fake.url).complete(SYSTEM, user_message("a fact"))
+        message = str(caught.value)
+        assert "401" in message
+        assert f"{fake.url}/chat/completions" in message
+        assert "CONSOLIDATION_LLM_API_KEY" in message
+        assert fake.stats()["requests"] == 1
+
+
+async def test_api_key_is_sent_as_bearer_token(make_client: Any) -> None:
+    with FakeLLMServer(FakeLLMConfig(api_key="secret")) as fake:
+        answer = await make_client(fake.url, api_key="secret").complete(SYSTEM, user_message("a"))
+        assert answer.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("status", [403, 404])
+async def test_403_and_404_are_config_errors(
+    fake: FakeLLMServer, make_client: Any, status: int
+) -> None:
+    fake.control(script=[{"status": status}])
+    with pytest.raises(LLMConfigError, match=str(status)):
+        await make_client(fake.url).complete(SYSTEM, user_message("a fact"))
+    assert fake.stats()["requests"] == 1
+
+
+@pytest.mark.parametrize("status", [400, 422])
+async def test_400_and_422_are_invalid_output_without_retry(
+    fake: FakeLLMServer, make_client: Any, status: int
+) -> None:
+    fake.control(script=[{"status": status, "body": "prompt is too long"}])
+    with pytest.raises(InvalidLLMOutput, match="prompt is too long"):
+        await make_client(fake.url).complete(SYSTEM, user_message("a fact"))
+    assert fake.stats()["requests"] == 1
+
+
+async def test_400_about_response_format_falls_back_to_json_object(
+    fake: FakeLLMServer, make_client: Any
+) -> None:
+    refusal = '{"error": {"message": "response_format json_schema is not supported"}}'
+    fake.control(script=[{"status": 400, "body": refusal}])
+    client = make_client(fake.url)
+    answer = await client.complete(SYSTEM, user_message("a fact"))
+    assert answer.retries == 1
+    assert client.response_format_mode == "json_object"
+    await client.complete(SYSTEM, user_message("another fact"))
+    formats = [call["response_format"] for call in fake.stats()["calls"]]
+    assert formats == ["json_schema", "json_object", "json_object"]
+
+
+async def test_400_about_response_format_in_json_object_mode_is_invalid(
+    fake: FakeLLMServer, make_client: Any
+) -> None:
+    fake.control(script=[{"status": 400, "body": "response_format is not supported"}])
+    client = make_client(fake.url, response_format="json_object")
+    with pytest.raises(InvalidLLMOutput):
+        await client.complete(SYSTEM, user_message("a fact"))
+    assert fake.stats()["requests"] == 1
+
+
+async def test_finish_reason_length_is_invalid_output(
+    fake: FakeLLMServer, make_client: Any
+) -> None:
+    fake.control(script=[{"content": '{"creates": [', "finish_reason": "length"}])
+    with pytest.raises(InvalidLLMOutput, match="truncated"):
+        await make_client(fake.url).complete(SYSTEM, user_message("a fact"))
+    assert fake.stats()["requests"] == 1
+
+
+@pytest.mark.parametrize(
+    "script_item",
+    [
+        {"content": ""},
+        {"status": 200, "body": '{"object": "list"}'},
+        {"status": 200, "body": '{"choices": []}'},
+        {"status": 200, "body": '{"choices": [{"message": {"content": null}}]}'},
+    ],
+)
+async def test_unusable_200_is_invalid_output(
+    fake: FakeLLMServer, make_client: Any, script_item: dict[str, Any]
+) -> None:
+    fake.control(script=[script_item])
+    with pytest.raises(InvalidLLMOutput):
+        await make_client(fake.url).complete(SYSTEM, user_message("a fact"))
+    assert fake.stats()["requests"] == 1
+
+
+async def test_missing_usage_counts_zero_tokens(fake: FakeLLMServer, make_client: Any) -> None:
+    body = '{"choices": [{"message": {"content": "{}"}, "finish_reason": "stop"}]}'
+    fake.control(script=[{"status": 200, "body": body}])
+    answer = await make_client(fake.url).complete(SYSTEM, user_message("a fact"))
+    assert (answer.content, answer.prompt_tokens, answer.completion_tokens) == ("{}", 0, 0)
+
+
+async def test_poison_markers_reach_the_caller_as_unusable_answers(
+    fake: FakeLLMServer, make_client: Any
+) -> None:
+    client = make_client(fake.url)
+    for marker in ("[[truncate]]", "[[empty]]"):
+        with pytest.raises(InvalidLLMOutput):
+            await client.complete(SYSTEM, user_message("fine fact", f"bad {marker} fact"))
+    # Content the client cannot judge is returned; prompts.parse_answer rejects it.
+    badjson = await client.complete(SYSTEM, user_message("[[badjson]]"))
+    assert badjson.content == "this is not json"
+    poison = await client.complete(SYSTEM, user_message("[[poison]]"))
+    assert "f9999" in orjson.loads(poison.content)["creates"][0]["facts"]
+
+
+async def test_timeout_is_transient_and_aborts_the_request(
+    fake: FakeLLMServer, make_client: Any
+) -> None:
+    fake.control(script=[{"hang": True}])
+    client = make_client(fake.url, timeout_s=0.2, max_retries=0)
+    with pytest.raises(TransientLLMError, match="no answer within"):
+        await client.complete(SYSTEM, user_message("a fact"))
+    await wait_until(lambda: fake.stats()["aborted"] == 1)
+
+
+async def test_connection_refused_is_transient(make_client: Any) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    client = make_client(f"http://127.0.0.1:{port}/v1", max_retries=1)
+    with pytest.raises(LLMRetriesExhausted) as caught:
+        await client.complete(SYSTEM, user_message("a fact"))
+    assert caught.value.attempts == 2
+
+
+async def test_cancelling_the_caller_aborts_the_http_request(
+    fake: FakeLLMServer, make_client: Any
+) -> None:
+    fake.control(script=[{"hang": True}])
+    task = asyncio.create_task(make_client(fake.url).complete(SYSTEM, user_message("a fact")))
+    await wait_until(lambda: fake.stats()["in_flight"] == 1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await wait_until(lambda: fake.stats()["aborted"] == 1)
+    assert fake.stats()["in_flight"] == 0
+
+
+async def test_max_concurrent_caps_requests_in_flight(
+    fake: FakeLLMServer, make_client: Any
+) -> None:
+    fake.control(latency_ms=50)
+    client = make_client(fake.url, max_concurrent=3)
+    answers = await asyncio.gather(
+        *(client.complete(SYSTEM, user_message(f"fact {i}", scope=(f"s{i}",))) for i in range(12))
+    )
+    assert len(answers) == 12
+    stats = fake.stats()
+    assert stats["completed"] == 12
+    assert stats["max_in_flight"] == 3
+
+
+def test_invalid_base_url_is_a_config_error() -> None:
+    with pytest.raises(LLMConfigError, match="CONSOLIDATION_LLM_BASE_URL"):
+        HTTPConsolidator(base_url="127.0.0.1:8000/v1", model="m")
+
+
+async def test_offline_consolidator_returns_a_valid_answer() -> None:
+    facts = [
+        prompts.FactInput(uuid4(), "Alice lives in Paris.", ("x",), None),
+        prompts.FactInput(uuid4(), "Bob plays chess on Sundays.", ("x",), None),
+    ]
+    request = prompts.build_request("b1", ("x",), None, facts, [])
+    consolidator = OfflineConsolidator()
+    answer = await consolidator.complete(prompts.SYSTEM_PROMPT, request.user_content)
+    await consolidator.aclose()
+    plan = prompts.parse_answer(answer.content, request)
+    assert set(plan.citations()) == {fact.memory_id for fact in facts}
+    assert answer.finish_reason == "stop"
+    assert answer.retries == 0
+    assert answer.prompt_tokens > 0
+    assert answer.completion_tokens > 0
+
+
+@pytest.mark.parametrize(
+    ("header", "expected"),
+    [(None, None), ("", None), ("2", 2.0), (" 0.5 ", 0.5), ("-3", 0.0), ("soon", None)],
+)
+def test_parse_retry_after_seconds(header: str | None, expected: float | None) -> None:
+    assert parse_retry_after(header) == expected
+
+
+def test_parse_retry_after_http_date() -> None:
+    now = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+    header = format_datetime(now + timedelta(seconds=7), usegmt=True)
+    assert parse_retry_after(header, now=now) == 7.0
+    past = format_datetime(now - timedelta(seconds=7), usegmt=True)
+    assert parse_retry_after(past, now=now) == 0.0
+
+
+def test_retry_delay_uses_full_jitter_capped_exponential_backoff() -> None:
+    # uniform=lambda a, b: b picks full jitter's upper end, uniform(0, x) -> x.
+    assert retry_delay(0, None, base_s=0.5, max_s=30, uniform=lambda a, b: b) == (0.5, False)
+    assert retry_delay(3, None, base_s=0.5, max_s=30, uniform=lambda a, b: b) == (4.0, False)
+    assert retry_delay(10, None, base_s=0.5, max_s=30, uniform=lambda a, b: b) == (30.0, False)
+    assert retry_delay(5000, None, base_s=0.5, max_s=30, uniform=lambda a, b: b)[0] == 30.0
+    assert retry_delay(3, None, base_s=0.5, max_s=30, uniform=lambda a, b: a) == (0.0, False)
+
+
+def test_retry_delay_honours_retry_after_up_to_five_times_the_cap() -> None:
+    assert retry_delay(0, 45.0, base_s=0.5, max_s=30, uniform=lambda a, b: b) == (45.0, True)
+    assert retry_delay(0, 1000.0, base_s=0.5, max_s=30, uniform=lambda a, b: b) == (150.0, True)
+    # A shorter Retry-After than the drawn backoff leaves the backoff in charge.
+    assert retry_delay(4, 1.0, base_s=0.5, max_s=30, uniform=lambda a, b: b) == (8.0, False)
+
+
+async def test_lag_monitor_sees_a_blocked_event_loop() -> None:
+    async with EventLoopLagMonitor(interval_s=0.01) as monitor:
+        await wait_until(lambda: monitor.snapshot()["samples"] >= 1)
+        samples = monitor.snapshot()["samples"]
+
+        async def hog() -> None:
+            time.sleep(0.3)  # noqa: ASYNC251 - blocking the loop is the point
+
+        await hog()
+        await wait_until(lambda: monitor.snapshot()["samples"] > samples)
+        snapshot = monitor.snapshot()
+    assert snapshot["max_ms"] >= 250
+    assert snapshot["p50_ms"] <= snapshot["p99_ms"] <= snapshot["max_ms"]
+    assert metric("consolidation_event_loop_lag_seconds", quantile="max") >= 0.25
+    monitor.reset()
+    assert monitor.snapshot()["samples"] == 0
+
+
+async def test_lag_monitor_stops_its_task_on_exit() -> None:
+    monitor = EventLoopLagMonitor(interval_s=0.01)
+    async with monitor:
+        pass
+    tasks = {task.get_name() for task in asyncio.all_tasks()}
+    assert "event-loop-lag-monitor" not in tasks

@@ -1,0 +1,248 @@
+"""The offline consolidator policy: always-valid, deterministic, lexical."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+from uuid import UUID
+
+import orjson
+from hypothesis import given
+from hypothesis import strategies as st
+
+from consolidation.offline import SIMILARITY_THRESHOLD, consolidate, similarity
+from consolidation.prompts import (
+    MAX_OBSERVATION_CHARS,
+    FactInput,
+    ObservationInput,
+    PassPlan,
+    PassRequest,
+    build_request,
+    parse_answer,
+)
+
+WHEN = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def _request(facts: list[str], observations: list[str]) -> PassRequest:
+    return build_request(
+        "bank",
+        ("alice",),
+        None,
+        [FactInput(UUID(int=i), text, ("alice",), None) for i, text in enumerate(facts, 1)],
+        [
+            ObservationInput(UUID(int=1000 + i), text, 1, WHEN)
+            for i, text in enumerate(observations, 1)
+        ],
+    )
+
+
+def _run(facts: list[str], observations: list[str]) -> tuple[dict[str, Any], PassPlan]:
+    request = _request(facts, observations)
+    answer = consolidate(orjson.loads(request.user_content))
+    return answer, parse_answer(orjson.dumps(answer), request)
+
+
+def test_threshold_separates_same_topic_from_unrelated() -> None:
+    tea = "Alice drinks green tea every morning"
+    assert similarity(tea, "Alice drinks green tea at work now") >= SIMILARITY_THRESHOLD
+    assert similarity(tea, "Bob plays chess on weekends") < SIMILARITY_THRESHOLD
+    assert similarity(tea, "Alice lives in Berlin") < SIMILARITY_THRESHOLD
+
+
+def test_similarity_ignores_case_stop_words_and_short_tokens() -> None:
+    assert similarity("The CAT is on a mat", "cat mat") == 1.0
+    assert similarity("a I the of", "a I the of") == 0.0
+    assert similarity("", "anything") == 0.0
+    assert similarity("tea", "tea") == 1.0
+
+
+def test_answer_always_has_the_three_keys() -> None:
+    assert consolidate(
+        {"bank": "b", "scope": [], "mission": None, "facts": [], "observations": []}
+    ) == {
+        "creates": [],
+        "updates": [],
+        "merges": [],
+    }
+
+
+def test_unrelated_facts_create_separate_observations() -> None:
+    answer, plan = _run(["Alice drinks green tea every morning", "Bob plays chess on weekends"], [])
+    assert answer["creates"] == [
+        {"text": "Alice drinks green tea every morning", "facts": ["f1"]},
+        {"text": "Bob plays chess on weekends", "facts": ["f2"]},
+    ]
+    assert plan.updates == ()
+    assert plan.merges == ()
+
+
+def test_same_topic_fact_updates_the_existing_observation() -> None:
+    answer, plan = _run(
+        ["Alice drinks green tea at work now"], ["Alice drinks green tea every morning."]
+    )
+    assert answer == {
+        "creates": [],
+        "updates": [
+            {
+                "observation": "o1",
+                "text": "Alice drinks green tea every morning. Alice drinks green tea at work now",
+                "facts": ["f1"],
+            }
+        ],
+        "merges": [],
+    }
+    assert plan.updates[0].observation_id == UUID(int=1001)
+
+
+def test_same_topic_facts_in_one_answer_grow_one_create() -> None:
+    answer, _ = _run(
+        ["Alice drinks green tea every morning", "Alice drinks green tea at work now"], []
+    )
+    assert answer["creates"] == [
+        {
+            "text": "Alice drinks green tea every morning Alice drinks green tea at work now",
+            "facts": ["f1", "f2"],
+        }
+    ]
+
+
+def test_repeated_updates_accumulate_into_one_action() -> None:
+    answer, plan = _run(
+        ["Alice drinks green tea at work", "Alice drinks green tea with lemon"],
+        ["Alice drinks green tea every morning."],
+    )
+    assert len(answer["updates"]) == 1
+    assert answer["updates"][0]["facts"] == ["f1", "f2"]
+    assert plan.citations() == {UUID(int=1): 1, UUID(int=2): 1}
+
+
+def test_near_identical_observations_and_a_fact_are_merged() -> None:
+    answer, plan = _run(
+        ["Alice drinks green tea at work now"],
+        [
+            "Bob plays chess on weekends.",
+            "Alice drinks green tea each morning.",
+            "Alice drinks green tea every morning.",
+        ],
+    )
+    assert answer["creates"] == answer["updates"] == []
+    [merge] = answer["merges"]
+    assert sorted(merge["observations"]) == ["o2", "o3"]
+    assert merge["facts"] == ["f1"]
+    assert "Alice drinks green tea at work now" in merge["text"]
+    assert plan.merges[0].observation_ids[0] == UUID(int=1000 + int(merge["observations"][0][1:]))
+
+
+def test_merge_keeps_the_most_similar_observation_first() -> None:
+    answer, _ = _run(
+        ["Alice drinks green tea every morning at home"],
+        ["Alice drinks green tea at the office", "Alice drinks green tea every morning at home"],
+    )
+    assert answer["merges"][0]["observations"] == ["o2", "o1"]
+
+
+def test_update_then_merge_of_the_same_observation_becomes_one_merge() -> None:
+    # f1 updates o1 only; f2 then resembles both o2 and the updated o1, so they merge and the
+    # earlier update folds into that merge instead of using o1 twice.
+    answer, _ = _run(
+        ["Alice works at the lab daily", "Alice drinks tea at the lab"],
+        ["Alice works at the lab.", "Alice drinks tea."],
+    )
+    assert answer["updates"] == []
+    assert answer["merges"] == [
+        {
+            "observations": ["o2", "o1"],
+            "text": "Alice drinks tea. Alice works at the lab. Alice works at the lab daily "
+            "Alice drinks tea at the lab",
+            "facts": ["f1", "f2"],
+        }
+    ]
+
+
+def test_already_contained_fact_is_cited_without_changing_the_text() -> None:
+    answer, _ = _run(["alice  drinks green tea"], ["Alice drinks green tea every morning."])
+    assert answer["updates"] == [
+        {"observation": "o1", "text": "Alice drinks green tea every morning.", "facts": ["f1"]}
+    ]
+
+
+def test_fact_restating_an_observation_with_more_detail_replaces_its_text() -> None:
+    answer, _ = _run(["Alice drinks green tea every morning at home"], ["Alice drinks green tea"])
+    assert answer["updates"] == [
+        {
+            "observation": "o1",
+            "text": "Alice drinks green tea every morning at home",
+            "facts": ["f1"],
+        }
+    ]
+
+
+def test_contained_fact_without_content_words_is_cited_not_created() -> None:
+    answer, _ = _run(["I am"], ["Who I am: a gardener."])
+    assert answer["creates"] == []
+    assert answer["updates"][0]["facts"] == ["f1"]
+
+
+def test_blank_fact_is_left_uncited() -> None:
+    answer, plan = _run(["   ", "Bob plays chess"], [])
+    assert answer["creates"] == [{"text": "Bob plays chess", "facts": ["f2"]}]
+    assert UUID(int=1) not in plan.citations()
+
+
+def test_untouched_observations_are_not_mentioned() -> None:
+    answer, _ = _run(["Bob plays chess on weekends"], ["Alice drinks green tea every morning."])
+    assert answer["updates"] == answer["merges"] == []
+
+
+def test_long_texts_drop_the_oldest_sentences_to_fit() -> None:
+    old = " ".join(f"Alice drinks green tea number {i}." for i in range(200))
+    answer, plan = _run(["Alice drinks green tea at work now"], [old])
+    text = answer["updates"][0]["text"]
+    assert len(text) <= MAX_OBSERVATION_CHARS
+    assert text.endswith("Alice drinks green tea at work now")
+    assert not text.startswith("Alice drinks green tea number 0.")
+    assert plan.updates[0].text == text
+
+
+def test_a_single_huge_fact_is_cut_to_the_limit() -> None:
+    answer, _ = _run(["word " * 2000], [])
+    assert 0 < len(answer["creates"][0]["text"]) <= MAX_OBSERVATION_CHARS
+
+
+_words = st.sampled_from(
+    ["alice", "bob", "tea", "green", "chess", "morning", "work", "Berlin", "the", "a", "I", "."]
+)
+_texts = st.one_of(
+    st.lists(_words, max_size=12).map(" ".join),
+    st.text(max_size=40),
+    st.just("x " * 2500),
+    st.just("Long sentence. " * 400),
+)
+
+
+@given(st.lists(_texts, max_size=8), st.lists(_texts, max_size=8))
+def test_answers_always_pass_parse_answer(facts: list[str], observations: list[str]) -> None:
+    request = _request(facts, observations)
+    answer = consolidate(orjson.loads(request.user_content))
+    assert set(answer) == {"creates", "updates", "merges"}
+    plan = parse_answer(orjson.dumps(answer), request)
+    # Every fact with visible text is cited by exactly one action.
+    cited = plan.citations()
+    for i, text in enumerate(facts, 1):
+        if text.strip():
+            assert cited.get(UUID(int=i)) == 1, (text, answer)
+        else:
+            assert UUID(int=i) not in cited
+
+
+@given(st.lists(_texts, max_size=8), st.lists(_texts, max_size=8))
+def test_answers_are_deterministic(facts: list[str], observations: list[str]) -> None:
+    user = orjson.loads(_request(facts, observations).user_content)
+    assert orjson.dumps(consolidate(user)) == orjson.dumps(consolidate(user))
+
+
+@given(_texts, _texts)
+def test_similarity_is_symmetric_and_bounded(a: str, b: str) -> None:
+    assert similarity(a, b) == similarity(b, a)
+    assert 0.0 <= similarity(a, b) <= 1.0
