@@ -146,17 +146,17 @@ class ProgressBar:
 async def _replay(settings: Settings, bank: str, reset: bool, bar: ProgressBar) -> Operation:
     from consolidation import queue, store
     from consolidation.engine import EngineConfig, StopSignal, run_operation
-    from consolidation.runtime import open_runtime, worker_identity
+    from consolidation.runtime import open_runtime
 
-    async with open_runtime(settings, pool_size=settings.group_parallelism + 4) as rt:
+    async with open_runtime(
+        settings, pool_size=settings.group_parallelism + 4, kind="replay"
+    ) as rt:
         if not await store.bank_exists(rt.pool, bank):
             raise CLIError(f"bank {bank!r} does not exist (ingest memories into it first)")
         if reset:
             await store.reset_bank(rt.pool, bank)
         try:
-            lease = await queue.start_foreground(
-                rt.pool, bank, worker_identity("replay"), settings.lease_s
-            )
+            lease = await queue.start_foreground(rt.pool, bank, rt.worker_id, settings.lease_s)
         except queue.BankBusy as exc:
             raise CLIError(str(exc), EXIT_FAILED) from None
         stop = StopSignal()
@@ -216,6 +216,39 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
     return EXIT_OK if op.status == "completed" else EXIT_FAILED
 
 
+# --- serve and fake-llm ---------------------------------------------------------------------
+
+
+def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
+    from consolidation.service import serve
+
+    if args.no_api and args.no_worker:
+        raise CLIError("--no-api and --no-worker together leave nothing to run")
+    return asyncio.run(serve(settings, api=not args.no_api, worker=not args.no_worker))
+
+
+def cmd_fake_llm(args: argparse.Namespace, settings: Settings) -> int:
+    from consolidation.fake_llm import FakeLLMConfig, serve
+
+    if not 0.0 <= args.fail_rate <= 1.0:
+        raise CLIError("--fail-rate must be between 0 and 1")
+    config = FakeLLMConfig(
+        latency_ms=args.latency_ms,
+        jitter_ms=args.jitter_ms,
+        fail_rate=args.fail_rate,
+        fail_status=args.fail_status,
+        retry_after_s=args.retry_after,
+        pad_bytes=args.pad_bytes,
+        api_key=args.api_key,
+        seed=args.seed,
+    )
+    try:
+        serve(args.host, args.port, config)
+    except OSError as exc:
+        raise CLIError(f"cannot listen on {args.host}:{args.port} ({exc.strerror})") from None
+    return EXIT_OK
+
+
 # --- parser ---------------------------------------------------------------------------------
 
 
@@ -226,6 +259,11 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Configuration is read from CONSOLIDATION_* environment variables (see README).",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("serve", help="run the HTTP API and the worker (until SIGTERM/SIGINT)")
+    p.add_argument("--no-api", action="store_true", help="run only the worker")
+    p.add_argument("--no-worker", action="store_true", help="run only the HTTP API")
+    p.set_defaults(handler=cmd_serve)
 
     p = sub.add_parser("migrate", help="apply database migrations")
     p.set_defaults(handler=cmd_migrate)
@@ -246,6 +284,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print the final operation as JSON")
     p.set_defaults(handler=cmd_replay)
+
+    p = sub.add_parser(
+        "fake-llm", help="serve a fake OpenAI-compatible LLM (offline policy) for tests and load"
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--latency-ms", type=float, default=0.0)
+    p.add_argument("--jitter-ms", type=float, default=0.0)
+    p.add_argument(
+        "--fail-rate", type=float, default=0.0, help="fraction answered with --fail-status"
+    )
+    p.add_argument("--fail-status", type=int, default=503)
+    p.add_argument(
+        "--retry-after", type=float, default=None, help="Retry-After seconds on failures"
+    )
+    p.add_argument("--pad-bytes", type=int, default=0, help="whitespace added to every answer")
+    p.add_argument("--api-key", default=None, help="require this bearer key")
+    p.add_argument("--seed", type=int, default=None)
+    p.set_defaults(handler=cmd_fake_llm)
     return parser
 
 

@@ -78,12 +78,32 @@ async def connect(url: str) -> asyncpg.Connection:
     return conn
 
 
-async def create_pool(url: str, *, min_size: int = 1, max_size: int = 10) -> asyncpg.Pool:
-    """An asyncpg pool with orjson codecs for json/jsonb."""
+async def create_pool(
+    url: str,
+    *,
+    min_size: int = 1,
+    max_size: int = 10,
+    application_name: str | None = None,
+    idle_in_transaction_timeout_s: float | None = None,
+) -> asyncpg.Pool:
+    """An asyncpg pool with orjson codecs for json/jsonb.
+
+    ``application_name`` names the sessions after the worker, so a worker that stalls past its
+    lease can be fenced by ending its sessions (queue.terminate_stalled_workers).
+    ``idle_in_transaction_timeout_s`` makes the server end a session left inside a transaction
+    by a stalled client, releasing its locks.
+    """
+    server_settings = {}
+    if application_name:
+        server_settings["application_name"] = application_name[:63]
+    if idle_in_transaction_timeout_s is not None:
+        ms = str(max(1, int(idle_in_transaction_timeout_s * 1000)))
+        server_settings["idle_in_transaction_session_timeout"] = ms
     pool: asyncpg.Pool = await asyncpg.create_pool(
         url,
         min_size=min_size,
         max_size=max_size,
+        server_settings=server_settings,
         init=_init_connection,
         # Statements are few and named; the cache avoids re-planning on the hot path.
         statement_cache_size=256,

@@ -17,7 +17,7 @@ from typing import Any
 import asyncpg
 import structlog
 
-from consolidation import queue, store
+from consolidation import metrics, queue, store
 from consolidation.errors import (
     InvalidLLMOutput,
     LeaseLost,
@@ -270,7 +270,12 @@ class OperationRun:
         consolidated = [s.memory.id for s in states if s.finished()]
         failed = [s.memory.id for s in states if s.failed]
         await store.commit_wave_markers(self.pool, self.lease, consolidated, failed)
-        recovered = sum(1 for s in states if s.finished() and s.action() == "recovered")
+        recovered = 0
+        for state in states:
+            if state.finished() or state.failed:
+                action = state.action()
+                recovered += action == "recovered"
+                metrics.MEMORIES.labels(action=action).inc()
         self.summary.waves += 1
         self.summary.processed += len(consolidated) + len(failed)
         self.summary.consolidated += len(consolidated)

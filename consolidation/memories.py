@@ -8,18 +8,22 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import orjson
+
 from consolidation.errors import ValidationError
 from consolidation.scopes import (
-    MAX_TAG_CHARS,
     MAX_TAGS,
     Scope,
     observation_scopes_problems,
+    tag_problem,
     write_scopes,
 )
 
 MAX_TEXT_CHARS = 8000
 MAX_BANK_ID_CHARS = 256
 MAX_METADATA_BYTES = 16_384
+MIN_TIMESTAMP = datetime(1900, 1, 1, tzinfo=UTC)
+MAX_TIMESTAMP = datetime(9999, 12, 30, tzinfo=UTC)
 FIELDS = frozenset({"id", "text", "tags", "observation_scopes", "occurred_at", "metadata"})
 
 
@@ -53,25 +57,44 @@ def parse_timestamp(value: object) -> datetime:
         raise ValueError("must be an ISO-8601 timestamp string")
     try:
         parsed = datetime.fromisoformat(value.strip().replace("Z", "+00:00").replace("z", "+00:00"))
-    except ValueError:
-        raise ValueError(f"is not an ISO-8601 timestamp: {value!r}") from None
-    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+        parsed = parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+        # Values whose UTC form leaves years 1..9999 are stored by Postgres but cannot be read
+        # back into Python, which would wedge every later wave of the bank.
+        utc = parsed.astimezone(UTC)
+    except (ValueError, OverflowError):
+        raise ValueError(
+            f"is not an ISO-8601 timestamp between years 1 and 9999: {value!r}"
+        ) from None
+    if not MIN_TIMESTAMP <= utc <= MAX_TIMESTAMP:
+        raise ValueError(f"is outside the supported range (years 1900 to 9999): {value!r}")
+    return utc
 
 
 def _tag_problems(tags: object) -> list[str]:
-    if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+    if not isinstance(tags, list):
         return ["tags must be a list of strings"]
     problems = []
     if len(tags) > MAX_TAGS:
         problems.append(f"at most {MAX_TAGS} tags are allowed, got {len(tags)}")
-    for tag in tags:
-        if not tag.strip():
-            problems.append("tags must not be empty")
-        elif len(tag) > MAX_TAG_CHARS:
-            problems.append(f"tag {tag[:20]!r}… is longer than {MAX_TAG_CHARS} characters")
-        elif any(ord(c) < 32 for c in tag):
-            problems.append(f"tag {tag!r} contains a control character")
+    for index, tag in enumerate(tags):
+        problem = tag_problem(tag)
+        if problem:
+            problems.append(f"tags[{index}] {problem}")
     return problems
+
+
+def _metadata_problems(metadata: dict[str, Any]) -> list[str]:
+    try:
+        encoded = orjson.dumps(metadata)
+    except (TypeError, orjson.JSONEncodeError) as exc:
+        return [f"metadata cannot be stored as JSON ({exc})"]
+    if len(encoded) > MAX_METADATA_BYTES:
+        return [
+            f"metadata is {len(encoded)} bytes as JSON, at most {MAX_METADATA_BYTES} are allowed"
+        ]
+    if b"\\u0000" in encoded:  # Postgres jsonb cannot store NUL
+        return ["metadata must not contain NUL characters"]
+    return []
 
 
 def parse_memory(obj: object, default_id: uuid.UUID | None = None) -> NewMemory:
@@ -126,6 +149,8 @@ def parse_memory(obj: object, default_id: uuid.UUID | None = None) -> NewMemory:
     elif not isinstance(metadata, dict):
         problems.append("metadata must be a JSON object")
         metadata = {}
+    else:
+        problems += _metadata_problems(metadata)
 
     if problems:
         raise ValidationError("; ".join(problems), problems)

@@ -247,6 +247,38 @@ async def claim(pool: asyncpg.Pool, worker_id: str, lease_s: float) -> Lease | N
     return None
 
 
+# A worker that stopped renewing its lease may be frozen in the middle of a transaction (between
+# Execute and Sync no server timeout applies), holding its share lock on the operation row, so
+# the claim's SKIP LOCKED would never see the row. Its sessions carry its worker id as
+# application_name; ending them rolls back whatever it had not committed and frees the row.
+TERMINATE_STALLED = """
+SELECT a.pid, a.application_name, pg_terminate_backend(a.pid) AS terminated
+FROM pg_stat_activity a
+WHERE a.datname = current_database()
+  AND a.pid <> pg_backend_pid()
+  AND a.application_name <> $2
+  AND a.application_name IN (
+      SELECT o.worker_id FROM operations o
+      WHERE o.status = 'running'
+        AND o.lease_expires_at < now() - make_interval(secs => $1))
+"""
+
+
+async def terminate_stalled_workers(
+    pool: asyncpg.Pool, own_worker_id: str, grace_s: float
+) -> list[str]:
+    """End the database sessions of workers whose lease expired over ``grace_s`` ago.
+
+    Returns the worker ids fenced. Best effort: without the right to signal those sessions,
+    the operation is reclaimed once the stalled worker resumes (and then stops) or dies.
+    """
+    try:
+        rows = await pool.fetch(TERMINATE_STALLED, grace_s, own_worker_id)
+    except asyncpg.InsufficientPrivilegeError:
+        return []
+    return sorted({r["application_name"] for r in rows if r["terminated"]})
+
+
 # --- fenced writes --------------------------------------------------------------------------
 
 FENCE = "id = $1 AND worker_id = $2 AND attempt = $3 AND status = 'running'"

@@ -52,18 +52,30 @@ class Runtime:
     database_url: str
     pool: asyncpg.Pool
     llm: Consolidator
+    worker_id: str
 
 
 @asynccontextmanager
 async def open_runtime(
-    settings: Settings, *, pool_size: int | None = None
+    settings: Settings, *, pool_size: int | None = None, kind: str = "worker"
 ) -> AsyncIterator[Runtime]:
-    """Database (migrated) and LLM client, closed in reverse order on exit."""
+    """Database (migrated) and LLM client, closed in reverse order on exit.
+
+    The pool's sessions are named after this process's worker id (``kind:host:pid``), the same
+    id its leases carry, so a stalled process can be fenced by ending its sessions.
+    """
     async with AsyncExitStack() as stack:
         url = await db.prepare_database(settings)
         size = pool_size or max(10, settings.group_parallelism * settings.worker_concurrency + 4)
-        pool = await db.create_pool(url, min_size=1, max_size=size)
+        worker_id = worker_identity(kind)
+        pool = await db.create_pool(
+            url,
+            min_size=1,
+            max_size=size,
+            application_name=worker_id,
+            idle_in_transaction_timeout_s=settings.lease_s,
+        )
         stack.push_async_callback(pool.close)
         llm = build_consolidator(settings)
         stack.push_async_callback(llm.aclose)
-        yield Runtime(settings, url, pool, llm)
+        yield Runtime(settings, url, pool, llm, worker_id)

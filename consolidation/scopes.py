@@ -29,6 +29,23 @@ def normalize_scope(tags: Iterable[str]) -> Scope:
     return tuple(sorted(set(tags)))
 
 
+def tag_problem(tag: object) -> str | None:
+    """Why ``tag`` is not a valid tag, or None. The one rule for tags everywhere.
+
+    Control characters are refused: U+001F separates tags in stored scope keys, and U+0000
+    cannot be stored by Postgres at all.
+    """
+    if not isinstance(tag, str):
+        return f"must be a string, not {type(tag).__name__}"
+    if not tag.strip():
+        return "must not be empty"
+    if len(tag) > MAX_TAG_CHARS:
+        return f"is longer than {MAX_TAG_CHARS} characters"
+    if any(ord(c) < 32 or ord(c) == 127 for c in tag):
+        return "must not contain control characters"
+    return None
+
+
 def observation_scopes_problems(value: object, tags: Sequence[str]) -> list[str]:
     """Every reason why ``value`` is not a valid ``observation_scopes`` for a memory with ``tags``.
 
@@ -63,12 +80,9 @@ def observation_scopes_problems(value: object, tags: Sequence[str]) -> list[str]
         if len(set(map(str, scope))) > MAX_TAGS:
             problems.append(f"{where} has more than {MAX_TAGS} distinct tags")
         for j, tag in enumerate(scope):
-            if not isinstance(tag, str):
-                problems.append(f"{where}[{j}] must be a string, not {type(tag).__name__}")
-            elif not tag:
-                problems.append(f"{where}[{j}] must not be empty")
-            elif len(tag) > MAX_TAG_CHARS:
-                problems.append(f"{where}[{j}] is longer than {MAX_TAG_CHARS} characters")
+            problem = tag_problem(tag)
+            if problem:
+                problems.append(f"{where}[{j}] {problem}")
     return problems
 
 

@@ -68,7 +68,9 @@ class Settings(BaseSettings):
     def _upper(cls, value: object) -> object:
         return value.upper() if isinstance(value, str) else value
 
-    @field_validator("database_url", "llm_base_url", "mission", mode="before")
+    @field_validator(
+        "database_url", "llm_base_url", "mission", "api_key", "llm_api_key", mode="before"
+    )
     @classmethod
     def _blank_is_unset(cls, value: object) -> object:
         return None if isinstance(value, str) and not value.strip() else value

@@ -87,3 +87,22 @@ def test_a_batch_reports_every_bad_item_with_its_index() -> None:
 
 def test_all_combinations_writes_every_non_empty_subset() -> None:
     assert write_scopes(["b", "a"], "all_combinations") == (("a",), ("a", "b"), ("b",))
+
+
+@pytest.mark.parametrize(
+    ("memory", "reason"),
+    [
+        ({"text": "x", "tags": ["a\x1fb"]}, "control characters"),
+        ({"text": "x", "observation_scopes": [["a\x1fb"]]}, "control characters"),
+        ({"text": "x", "metadata": {"k": "\x00"}}, "NUL"),
+        ({"text": "x", "metadata": {"k": "y" * 20_000}}, "at most 16384"),
+        ({"text": "x", "occurred_at": "0001-01-01T00:00:00+14:00"}, "years"),
+        ({"text": "x", "occurred_at": "9999-12-31T23:59:59-14:00"}, "years"),
+    ],
+)
+def test_values_postgres_could_store_but_not_give_back_are_rejected(
+    memory: dict[str, object], reason: str
+) -> None:
+    with pytest.raises(ValidationError) as excinfo:
+        parse_memories([memory])
+    assert any(reason in p for p in excinfo.value.problems), excinfo.value.problems

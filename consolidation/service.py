@@ -1,0 +1,109 @@
+"""``consolidation serve``: the HTTP API and the worker in one process and one event loop.
+
+The process owns SIGTERM/SIGINT (not uvicorn): a signal stops claiming, drains the worker
+within the grace period, stops the API, then exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+from collections.abc import Iterator
+from contextlib import AsyncExitStack
+from typing import Any
+
+import structlog
+import uvicorn
+
+from consolidation.errors import ConfigError
+from consolidation.metrics import EventLoopLagMonitor
+from consolidation.runtime import open_runtime
+from consolidation.settings import Settings
+from consolidation.worker import Worker
+
+log = structlog.get_logger(__name__)
+
+
+class _ApiServer(uvicorn.Server):
+    """uvicorn without its own signal handling: the service decides when the API stops."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """Bind the API socket up front, so a busy port is a clear error and port 0 can be logged."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(
+            f"cannot listen on {host}:{port} ({exc.strerror}); "
+            "set CONSOLIDATION_HTTP_HOST / CONSOLIDATION_HTTP_PORT"
+        ) from None
+    sock.set_inheritable(True)
+    return sock
+
+
+async def serve(settings: Settings, *, api: bool = True, worker: bool = True) -> int:
+    """Run until SIGTERM/SIGINT; returns the process exit code."""
+    loop = asyncio.get_running_loop()
+    shutdown = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, shutdown.set)
+    sock = bind(settings.http_host, settings.http_port) if api else None
+    tasks: list[asyncio.Task[Any]] = []
+    server: _ApiServer | None = None
+    async with AsyncExitStack() as stack:
+        if sock is not None:
+            stack.callback(sock.close)
+        rt = await stack.enter_async_context(open_runtime(settings))
+        await stack.enter_async_context(EventLoopLagMonitor())
+        if worker:
+            the_worker = Worker(settings, rt.pool, rt.database_url, rt.llm, worker_id=rt.worker_id)
+            tasks.append(asyncio.create_task(the_worker.run(shutdown), name="worker"))
+        if sock is not None:
+            from consolidation.api import create_app
+
+            server = _ApiServer(
+                uvicorn.Config(
+                    create_app(settings, rt.pool),
+                    log_config=None,
+                    access_log=False,
+                    lifespan="off",
+                    timeout_graceful_shutdown=5,
+                )
+            )
+            tasks.append(asyncio.create_task(server.serve(sockets=[sock]), name="api"))
+            host, port = sock.getsockname()[:2]
+            log.info(
+                "api_listening", url=f"http://{host}:{port}", docs=f"http://{host}:{port}/docs"
+            )
+        log.info("service_started", api=api, worker=worker)
+
+        stopper = asyncio.create_task(shutdown.wait())
+        done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
+        exit_code = 0
+        for task in done:
+            if task is not stopper:
+                # A part stopped on its own: that is a failure, and the rest must stop too.
+                exit_code = 1
+                error = task.exception() if not task.cancelled() else None
+                log.error("service_part_stopped", part=task.get_name(), error=repr(error))
+        log.info("shutdown_started")
+        shutdown.set()
+        stopper.cancel()
+        if server is not None:
+            server.should_exit = True
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, SystemExit):
+                log.error("shutdown_error", error=repr(result))
+    log.info("service_stopped", exit_code=exit_code)
+    return exit_code

@@ -1,0 +1,198 @@
+"""The long-running poller: claims operations, runs them in slots, shuts down gracefully.
+
+Wake-ups come from LISTEN/NOTIFY (submit and cancel) with a polling fallback, so a lost
+notification costs at most one poll interval. Resources live in one AsyncExitStack, so shutdown
+releases them in the reverse order of start-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import uuid
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+
+import asyncpg
+import structlog
+
+from consolidation import db, metrics, queue
+from consolidation.engine import EngineConfig, OperationEnd, StopSignal, run_operation
+from consolidation.llm import Consolidator
+from consolidation.settings import Settings
+
+log = structlog.get_logger(__name__)
+
+# After a failed claim (database unreachable), wait this long before trying again.
+CLAIM_ERROR_BACKOFF_S = 1.0
+
+
+@dataclass
+class _Slot:
+    lease: queue.Lease
+    stop: StopSignal
+    task: asyncio.Task[OperationEnd]
+
+
+class Worker:
+    """Runs up to ``worker_concurrency`` operations at once until :meth:`run`'s shutdown event."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        pool: asyncpg.Pool,
+        database_url: str,
+        llm: Consolidator,
+        *,
+        worker_id: str,
+    ) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.database_url = database_url
+        self.llm = llm
+        self.worker_id = worker_id
+        self.config = EngineConfig.from_settings(settings)
+        self.slots: dict[uuid.UUID, _Slot] = {}
+        self._wake = asyncio.Event()
+        self.log = log.bind(worker_id=self.worker_id)
+
+    # --- notifications ------------------------------------------------------------------------
+
+    def _on_submit(self, *_: object) -> None:
+        self._wake.set()
+
+    def _on_cancel(self, _conn: object, _pid: int, _channel: str, payload: str) -> None:
+        try:
+            operation_id = uuid.UUID(payload)
+        except ValueError:
+            return
+        slot = self.slots.get(operation_id)
+        if slot is not None:
+            self.log.info("cancel_requested", operation_id=payload)
+            slot.stop.set("cancel")
+
+    async def _listen(self, stack: AsyncExitStack) -> None:
+        """LISTEN on a dedicated connection; if it cannot be had, polling still works."""
+        try:
+            conn = await db.connect(self.database_url)
+        except (OSError, asyncpg.PostgresError) as exc:
+            self.log.warning("listen_unavailable", error=str(exc))
+            return
+        stack.push_async_callback(_close_quietly, conn)
+        await conn.add_listener(queue.NOTIFY_SUBMIT, self._on_submit)
+        await conn.add_listener(queue.NOTIFY_CANCEL, self._on_cancel)
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    async def run(self, shutdown: asyncio.Event) -> None:
+        """Claim and run operations until ``shutdown`` is set, then shut down gracefully."""
+        async with AsyncExitStack() as stack:
+            await self._listen(stack)
+            self.log.info(
+                "worker_started",
+                concurrency=self.settings.worker_concurrency,
+                lease_s=self.settings.lease_s,
+            )
+            while not shutdown.is_set():
+                await self._fill_slots()
+                await self._wait_for_work(shutdown)
+            await self._drain()
+        self.log.info("worker_stopped")
+
+    async def _fill_slots(self) -> None:
+        if len(self.slots) < self.settings.worker_concurrency:
+            await self._fence_stalled_workers()
+        while len(self.slots) < self.settings.worker_concurrency:
+            try:
+                lease = await queue.claim(self.pool, self.worker_id, self.settings.lease_s)
+            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+                self.log.warning("claim_failed", error=str(exc))
+                await asyncio.sleep(CLAIM_ERROR_BACKOFF_S)
+                return
+            if lease is None:
+                return
+            self._start(lease)
+
+    async def _fence_stalled_workers(self) -> None:
+        try:
+            fenced = await queue.terminate_stalled_workers(
+                self.pool, self.worker_id, grace_s=self.settings.lease_s
+            )
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            self.log.warning("fence_check_failed", error=str(exc))
+            return
+        for worker_id in fenced:
+            self.log.warning("stalled_worker_fenced", stalled_worker_id=worker_id)
+
+    def _start(self, lease: queue.Lease) -> None:
+        stop = StopSignal()
+        task = asyncio.create_task(
+            run_operation(self.pool, lease, self.llm, self.config, stop=stop),
+            name=f"slot-{lease.operation_id}",
+        )
+        self.slots[lease.operation_id] = _Slot(lease, stop, task)
+        metrics.OPERATIONS_RUNNING.inc()
+        self.log.info(
+            "operation_claimed",
+            operation_id=str(lease.operation_id),
+            bank_id=lease.bank_id,
+            attempt=lease.attempt,
+        )
+        task.add_done_callback(functools.partial(self._finished, lease.operation_id))
+
+    def _finished(self, operation_id: uuid.UUID, task: asyncio.Task[OperationEnd]) -> None:
+        self.slots.pop(operation_id, None)
+        metrics.OPERATIONS_RUNNING.dec()
+        if task.cancelled():
+            status = "interrupted"
+        elif task.exception() is not None:
+            status = "error"
+            self.log.error(
+                "operation_crashed", operation_id=str(operation_id), error=repr(task.exception())
+            )
+        else:
+            status = task.result().status
+        metrics.OPERATIONS.labels(status=status).inc()
+        if status == "pending":
+            self.log.info("operation_retried", operation_id=str(operation_id))
+        self._wake.set()  # a slot is free
+
+    async def _wait_for_work(self, shutdown: asyncio.Event) -> None:
+        self._wake.clear()
+        waiters = [asyncio.ensure_future(self._wake.wait()), asyncio.ensure_future(shutdown.wait())]
+        try:
+            await asyncio.wait(
+                waiters,
+                timeout=self.settings.poll_interval_s,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+
+    async def _drain(self) -> None:
+        """Stop claiming; let running passes finish within the grace period, then cancel.
+
+        Each operation commits its markers and goes back to ``pending`` without spending an
+        attempt (the engine does both, shielded).
+        """
+        slots = list(self.slots.values())
+        if not slots:
+            return
+        self.log.info(
+            "worker_draining", operations=len(slots), grace_s=self.settings.shutdown_grace_s
+        )
+        for slot in slots:
+            slot.stop.set("shutdown")
+        tasks = [slot.task for slot in slots]
+        _, still_running = await asyncio.wait(tasks, timeout=self.settings.shutdown_grace_s)
+        for slot in slots:
+            if slot.task in still_running:
+                slot.stop.force()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _close_quietly(conn: asyncpg.Connection) -> None:
+    with contextlib.suppress(Exception):
+        await conn.close()

@@ -1,0 +1,80 @@
+"""Start real `consolidation serve` processes and watch their JSON logs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from tests.integration.engine_helpers import wait_for
+
+
+class ServiceProcess:
+    """One `consolidation serve` process with its log in a file (JSON lines)."""
+
+    def __init__(self, name: str, log_dir: Path, env: dict[str, str], *args: str) -> None:
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log_file = self.log_path.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "consolidation.cli", "serve", *args],
+            env={
+                **os.environ,
+                "CONSOLIDATION_LOG_FORMAT": "json",
+                "CONSOLIDATION_LOG_LEVEL": "INFO",
+                "CONSOLIDATION_HTTP_PORT": "0",
+                **env,
+            },
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+        )
+
+    def events(self, name: str | None = None) -> list[dict[str, Any]]:
+        out = []
+        for line in self.log_path.read_bytes().splitlines():
+            try:
+                record = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                continue
+            if isinstance(record, dict) and (name is None or record.get("event") == name):
+                out.append(record)
+        return out
+
+    async def wait_event(self, name: str, timeout_s: float = 60, **fields: Any) -> dict[str, Any]:
+        def found() -> dict[str, Any] | None:
+            if self.proc.poll() is not None and not self._matching(name, fields):
+                raise AssertionError(
+                    f"{self.name} exited ({self.proc.returncode}) before logging {name}:\n"
+                    + self.log_path.read_text()[-3000:]
+                )
+            matches = self._matching(name, fields)
+            return matches[0] if matches else None
+
+        event: dict[str, Any] = await wait_for(found, timeout_s, what=f"{self.name}: {name}")
+        return event
+
+    def _matching(self, name: str, fields: dict[str, Any]) -> list[dict[str, Any]]:
+        return [e for e in self.events(name) if all(e.get(k) == v for k, v in fields.items())]
+
+    async def api_url(self) -> str:
+        url: str = (await self.wait_event("api_listening"))["url"]
+        return url
+
+    def signal(self, sig: signal.Signals) -> None:
+        self.proc.send_signal(sig)
+
+    def wait_exit(self, timeout_s: float = 60) -> int:
+        return self.proc.wait(timeout=timeout_s)
+
+    def stop(self) -> None:
+        """Tear-down: make sure nothing outlives the test."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+        self._log_file.close()

@@ -1,0 +1,123 @@
+"""Operation state in Postgres: submit, claim, fence, retry, cancel, fencing stalled workers."""
+
+from __future__ import annotations
+
+import asyncpg
+import pytest
+
+from consolidation import db, queue
+from consolidation.errors import LeaseLost
+
+
+async def expire(pool: asyncpg.Pool, lease: queue.Lease) -> None:
+    await pool.execute(
+        "UPDATE operations SET lease_expires_at = now() - interval '1 minute' WHERE id = $1",
+        lease.operation_id,
+    )
+
+
+async def test_an_unscoped_submit_joins_the_pending_one(pool: asyncpg.Pool) -> None:
+    first = await queue.submit(pool, "b")
+    second = await queue.submit(pool, "b")
+    scoped = await queue.submit(pool, "b", scopes=[("x",)])
+    assert not first.deduplicated and second.deduplicated
+    assert second.operation.id == first.operation.id
+    assert not scoped.deduplicated and scoped.operation.id != first.operation.id
+
+
+async def test_claim_takes_due_work_by_priority_and_one_bank_at_a_time(pool: asyncpg.Pool) -> None:
+    low = (await queue.submit(pool, "a")).operation
+    high = (await queue.submit(pool, "b", priority=5)).operation
+    also_b = (await queue.submit(pool, "b", scopes=[("x",)])).operation
+    first = await queue.claim(pool, "w1", 30)
+    second = await queue.claim(pool, "w2", 30)
+    third = await queue.claim(pool, "w3", 30)
+    assert first is not None and first.operation_id == high.id and first.attempt == 1
+    assert second is not None and second.operation_id == low.id
+    assert third is None  # bank b's scoped operation waits for the running one
+    assert also_b.status == "pending"
+
+
+async def test_an_expired_lease_is_reclaimed_and_the_old_owner_is_fenced(
+    pool: asyncpg.Pool,
+) -> None:
+    await queue.submit(pool, "b")
+    old = await queue.claim(pool, "w1", 30)
+    assert old is not None
+    assert await queue.claim(pool, "w2", 30) is None
+    await expire(pool, old)
+    new = await queue.claim(pool, "w2", 30)
+    assert new is not None and new.operation_id == old.operation_id and new.attempt == 2
+    for write in (
+        queue.heartbeat(pool, old, 30),
+        queue.record_progress(pool, old, {"x": 1}),
+        queue.finish(pool, old, "completed"),
+    ):
+        with pytest.raises(LeaseLost):
+            await write
+    await queue.finish(pool, new, "completed", result={"ok": True})
+    op = await queue.get_operation(pool, new.operation_id)
+    assert op.status == "completed" and op.result == {"ok": True}
+
+
+async def test_release_backs_off_and_a_refund_keeps_the_attempt(pool: asyncpg.Pool) -> None:
+    await queue.submit(pool, "b")
+    lease = await queue.claim(pool, "w", 30)
+    assert lease is not None
+    assert (
+        await queue.release(pool, lease, delay_s=3600, error="boom", refund_attempt=False)
+        == "pending"
+    )
+    op = await queue.get_operation(pool, lease.operation_id)
+    assert op.attempt == 1 and op.error == "boom"
+    assert await queue.claim(pool, "w", 30) is None  # not due for an hour
+    await pool.execute("UPDATE operations SET run_after = now()")
+    again = await queue.claim(pool, "w", 30)
+    assert again is not None and again.attempt == 2
+    await queue.release(pool, again, delay_s=0, error="shutdown", refund_attempt=True)
+    assert (await queue.get_operation(pool, again.operation_id)).attempt == 1
+
+
+async def test_a_retry_is_superseded_by_a_newer_pending_operation(pool: asyncpg.Pool) -> None:
+    await queue.submit(pool, "b")
+    lease = await queue.claim(pool, "w", 30)
+    assert lease is not None
+    newer = (await queue.submit(pool, "b")).operation
+    status = await queue.release(pool, lease, delay_s=0, error="boom", refund_attempt=False)
+    assert status == "failed"
+    op = await queue.get_operation(pool, lease.operation_id)
+    assert str(newer.id) in (op.error or "")
+
+
+async def test_cancel_ends_a_pending_operation_at_once_and_flags_a_running_one(
+    pool: asyncpg.Pool,
+) -> None:
+    pending = (await queue.submit(pool, "a")).operation
+    assert (await queue.request_cancel(pool, pending.id)).status == "cancelled"
+    await queue.submit(pool, "b")
+    lease = await queue.claim(pool, "w", 30)
+    assert lease is not None
+    assert (await queue.request_cancel(pool, lease.operation_id)).status == "running"
+    assert await queue.heartbeat(pool, lease, 30) is True  # the worker learns it on its heartbeat
+
+
+async def test_a_worker_frozen_inside_a_transaction_is_fenced_so_its_work_can_be_reclaimed(
+    pool: asyncpg.Pool, database_url: str
+) -> None:
+    await queue.submit(pool, "b")
+    lease = await queue.claim(pool, "worker:frozen:1", 30)
+    assert lease is not None
+    await expire(pool, lease)
+    frozen_pool = await db.create_pool(database_url, application_name="worker:frozen:1")
+    conn = await frozen_pool.acquire()
+    try:
+        transaction = conn.transaction()
+        await transaction.start()
+        await queue.check_fence(conn, lease)  # holds the row FOR SHARE, like an apply
+        assert await queue.claim(pool, "worker:healthy:2", 30) is None  # row skipped: locked
+        fenced = await queue.terminate_stalled_workers(pool, "worker:healthy:2", grace_s=0)
+        assert fenced == ["worker:frozen:1"]
+        reclaimed = await queue.claim(pool, "worker:healthy:2", 30)
+        assert reclaimed is not None and reclaimed.attempt == 2
+    finally:
+        frozen_pool.terminate()
