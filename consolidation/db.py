@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +25,17 @@ MIGRATION_LOCK_KEY = 0x636F6E73  # "cons"
 def embedded_database_url(data_dir: Path) -> str:
     """Start (or reuse) the embedded Postgres under ``data_dir`` and return its URL.
 
-    The server outlives this process on purpose, so the next command reuses it.
+    Processes sharing one data directory share the server; the last one to exit stops it.
+    The data stays for the next command.
     """
-    # Imported lazily: it is only needed when no URL is configured.
-    from pgserver.postgres_server import get_server
+    # Imported lazily: it is only needed when no URL is configured. Its platformdirs lookup
+    # warns when XDG_RUNTIME_DIR is unset (containers, CI), which says nothing to our users.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from pgserver.postgres_server import get_server
 
     data_dir.mkdir(parents=True, exist_ok=True)
-    server = get_server(data_dir / "pgdata", cleanup_mode=None)
+    server = get_server(data_dir / "pgdata", cleanup_mode="stop")
     url: str = server.get_uri()
     log.info("embedded_postgres", data_dir=str(data_dir / "pgdata"), url=url)
     return url
