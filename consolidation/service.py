@@ -47,6 +47,9 @@ def bind(host: str, port: int) -> socket.socket:
             f"cannot listen on {host}:{port} ({exc.strerror}); "
             "set CONSOLIDATION_HTTP_HOST / CONSOLIDATION_HTTP_PORT"
         ) from None
+    # Listen at once: clients that connect before uvicorn has started wait in the backlog
+    # instead of being refused, so "api_listening" is true when it is logged.
+    sock.listen(2048)
     sock.set_inheritable(True)
     return sock
 

@@ -16,6 +16,7 @@ import asyncpg
 import pytest
 
 from consolidation import db
+from consolidation.fake_llm import FakeLLMConfig, FakeLLMServer
 
 
 def _with_database(url: str, name: str) -> str:
@@ -101,3 +102,10 @@ async def pool(database_url: str) -> AsyncIterator[asyncpg.Pool]:
     p = await db.create_pool(database_url, min_size=1, max_size=10)
     yield p
     await p.close()
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeLLMServer]:
+    """The project's fake OpenAI-compatible LLM over real HTTP on loopback, fresh per test."""
+    with FakeLLMServer(FakeLLMConfig()) as server:
+        yield server

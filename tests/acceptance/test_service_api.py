@@ -3,32 +3,17 @@
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import asyncpg
 import httpx
 import pytest
 
-from consolidation.fake_llm import FakeLLMConfig, FakeLLMServer
+from consolidation.fake_llm import FakeLLMServer
 from tests.acceptance.harness import ServiceProcess
 from tests.integration.engine_helpers import markers, wait_for
 
 pytestmark = pytest.mark.acceptance
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeLLMServer]:
-    with FakeLLMServer(FakeLLMConfig()) as server:
-        yield server
-
-
-@pytest.fixture
-def services() -> Iterator[list[ServiceProcess]]:
-    started: list[ServiceProcess] = []
-    yield started
-    for service in started:
-        service.stop()
 
 
 def env(database_url: str, llm_url: str, **extra: str) -> dict[str, str]:
@@ -49,7 +34,9 @@ async def test_ingest_consolidate_and_cancel_a_running_operation_over_http(
     tmp_path: Path,
 ) -> None:
     fake.control(script=[{"pass": True}, {"hang": True}])
-    service = ServiceProcess("svc", tmp_path, env(database_url, fake.url))
+    service = ServiceProcess(
+        "svc", tmp_path, env(database_url, fake.url, CONSOLIDATION_AUTO_CONSOLIDATE="false")
+    )
     services.append(service)
     base = await service.api_url()
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
@@ -58,9 +45,9 @@ async def test_ingest_consolidate_and_cancel_a_running_operation_over_http(
         ]
         response = await client.post("/v1/banks/b/memories", json={"memories": memories})
         assert response.status_code == 201, response.text
-        # Auto-consolidation enqueued an operation; find it through a de-duplicated submit.
-        submitted = (await client.post("/v1/banks/b/consolidations", json={})).json()
-        operation_id = submitted["operation_id"]
+        submitted = await client.post("/v1/banks/b/consolidations", json={})
+        assert submitted.status_code == 202 and submitted.json()["deduplicated"] is False
+        operation_id = submitted.json()["operation_id"]
         await wait_for(lambda: fake.stats()["requests"] >= 2, what="the hanging LLM call")
         assert (await client.get(f"/v1/operations/{operation_id}")).json()["status"] == "running"
 
@@ -114,6 +101,11 @@ async def test_with_an_api_key_requests_without_it_get_401(
             headers={"Authorization": "Bearer s3cret"},
         )
         assert ok.status_code == 201
+        # Auto-consolidation enqueued one operation; a second submit joins it.
+        again = await client.post(
+            "/v1/banks/b/consolidations", json={}, headers={"Authorization": "Bearer s3cret"}
+        )
+        assert again.status_code == 202 and again.json()["deduplicated"] is True
         assert (await client.get("/healthz")).status_code == 200
         assert (await client.get("/readyz")).status_code == 200
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,25 +10,11 @@ import asyncpg
 import pytest
 
 from consolidation import queue
-from consolidation.fake_llm import FakeLLMConfig, FakeLLMServer
+from consolidation.fake_llm import FakeLLMServer
 from tests.acceptance.harness import ServiceProcess
-from tests.integration.engine_helpers import ingest, markers, wait_for
+from tests.integration.engine_helpers import ingest, markers, wait_completed, wait_for
 
 pytestmark = pytest.mark.acceptance
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeLLMServer]:
-    with FakeLLMServer(FakeLLMConfig()) as server:
-        yield server
-
-
-@pytest.fixture
-def services(tmp_path: Path) -> Iterator[list[ServiceProcess]]:
-    started: list[ServiceProcess] = []
-    yield started
-    for service in started:
-        service.stop()
 
 
 def topics(count: int, per_topic: int) -> list[dict[str, Any]]:
@@ -103,10 +88,7 @@ async def test_sigkill_mid_wave_then_another_worker_completes_without_duplicates
 
     second = ServiceProcess("second", tmp_path, env, "--no-api")
     services.append(second)
-    await wait_for(
-        lambda: pool.fetchval("SELECT status = 'completed' FROM operations WHERE id = $1", op.id),
-        what="the reclaimed operation to complete",
-    )
+    await wait_completed(pool, op.id)
     row = await operation(pool, op.id)
     assert row["attempt"] == 2 and row["worker_id"].startswith("worker:")
     await assert_consolidated_exactly_once(pool, 4, 24)
@@ -131,10 +113,7 @@ async def test_a_worker_paused_past_its_lease_writes_nothing_after_another_took_
 
     other = ServiceProcess("other", tmp_path, env, "--no-api")
     services.append(other)
-    await wait_for(
-        lambda: pool.fetchval("SELECT status = 'completed' FROM operations WHERE id = $1", op.id),
-        what="the other worker to complete the operation",
-    )
+    await wait_completed(pool, op.id)
     await assert_consolidated_exactly_once(pool, 4, 24)
     before = await snapshot(pool)
 
@@ -173,10 +152,7 @@ async def test_sigterm_hands_the_operation_back_without_spending_an_attempt(
 
     second = ServiceProcess("second", tmp_path, env, "--no-api")
     services.append(second)
-    await wait_for(
-        lambda: pool.fetchval("SELECT status = 'completed' FROM operations WHERE id = $1", op.id),
-        what="the second worker to complete the operation",
-    )
+    await wait_completed(pool, op.id)
     assert (await operation(pool, op.id))["attempt"] == 1
     await assert_consolidated_exactly_once(pool, 4, 24)
 

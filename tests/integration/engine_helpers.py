@@ -78,3 +78,14 @@ async def markers(pool: asyncpg.Pool, bank: str) -> dict[str, int]:
         bank,
     )
     return dict(row)
+
+
+async def wait_completed(pool: asyncpg.Pool, operation_id: Any, timeout_s: float = 60.0) -> None:
+    """Wait until the operation has completed (by whichever worker)."""
+    await wait_for(
+        lambda: pool.fetchval(
+            "SELECT status = 'completed' FROM operations WHERE id = $1", operation_id
+        ),
+        timeout_s,
+        what=f"operation {operation_id} to complete",
+    )

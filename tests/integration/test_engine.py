@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import asyncpg
@@ -10,7 +9,7 @@ import pytest
 
 from consolidation import db, store
 from consolidation.engine import EngineConfig
-from consolidation.fake_llm import FakeLLMConfig, FakeLLMServer
+from consolidation.fake_llm import FakeLLMServer
 from consolidation.llm import OfflineConsolidator
 from tests.integration.engine_helpers import (
     consolidate,
@@ -19,12 +18,6 @@ from tests.integration.engine_helpers import (
     markers,
     observations_by_scope,
 )
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeLLMServer]:
-    with FakeLLMServer(FakeLLMConfig()) as server:
-        yield server
 
 
 def topic(person: str, n: int, tags: list[str], **extra: Any) -> list[dict[str, Any]]:

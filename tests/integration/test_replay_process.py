@@ -6,22 +6,14 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import asyncpg
 import orjson
-import pytest
 
 from consolidation import queue
-from consolidation.fake_llm import FakeLLMConfig, FakeLLMServer
+from consolidation.fake_llm import FakeLLMServer
 from tests.integration.engine_helpers import ingest, markers, wait_for
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeLLMServer]:
-    with FakeLLMServer(FakeLLMConfig()) as server:
-        yield server
 
 
 def start_replay(database_url: str, llm_url: str, *args: str, **env: str) -> subprocess.Popen[str]:
