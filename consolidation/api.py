@@ -488,7 +488,6 @@ def create_app(settings: Settings, pool: asyncpg.Pool) -> fastapi.FastAPI:
     # Enforced by _Guard; declared here so the OpenAPI document shows the scheme.
     security = [Security(HTTPBearer(auto_error=False))] if api_key else []
     v1 = fastapi.APIRouter(
-        prefix="/v1",
         route_class=_OrjsonRoute,
         dependencies=security,
         responses=_errors(*_V1_ERRORS),
@@ -501,7 +500,7 @@ def create_app(settings: Settings, pool: asyncpg.Pool) -> fastapi.FastAPI:
 
 def _add_v1_routes(router: fastapi.APIRouter, settings: Settings, pool: asyncpg.Pool) -> None:
     @router.post(
-        "/banks/{bank_id}/memories",
+        "/v1/banks/{bank_id}/memories",
         status_code=201,
         response_model=IngestResponse,
         responses=_errors(409),
@@ -528,7 +527,7 @@ def _add_v1_routes(router: fastapi.APIRouter, settings: Settings, pool: asyncpg.
         return IngestResponse(ids=result.ids)
 
     @router.post(
-        "/banks/{bank_id}/consolidations",
+        "/v1/banks/{bank_id}/consolidations",
         status_code=202,
         response_model=ConsolidationResponse,
         summary="Request a consolidation",
@@ -555,7 +554,7 @@ def _add_v1_routes(router: fastapi.APIRouter, settings: Settings, pool: asyncpg.
         )
 
     @router.get(
-        "/operations/{operation_id}",
+        "/v1/operations/{operation_id}",
         response_model=OperationResponse,
         summary="Get an operation",
     )
@@ -565,7 +564,7 @@ def _add_v1_routes(router: fastapi.APIRouter, settings: Settings, pool: asyncpg.
         return OperationResponse.model_validate(op.to_json())
 
     @router.post(
-        "/operations/{operation_id}/cancel",
+        "/v1/operations/{operation_id}/cancel",
         status_code=202,
         response_model=CancelResponse,
         summary="Cancel an operation",
@@ -577,7 +576,7 @@ def _add_v1_routes(router: fastapi.APIRouter, settings: Settings, pool: asyncpg.
         return CancelResponse.model_validate({"operation_id": op.id, "status": op.status})
 
     @router.get(
-        "/banks/{bank_id}/observations",
+        "/v1/banks/{bank_id}/observations",
         response_model=ObservationsPage,
         summary="List observations",
     )
@@ -622,7 +621,7 @@ def _add_v1_routes(router: fastapi.APIRouter, settings: Settings, pool: asyncpg.
             next_cursor=_encode_cursor(page[-1].id) if len(rows) > limit else None,
         )
 
-    @router.get("/banks/{bank_id}/stats", response_model=StatsResponse, summary="Bank stats")
+    @router.get("/v1/banks/{bank_id}/stats", response_model=StatsResponse, summary="Bank stats")
     async def bank_stats(bank_id: BankId) -> StatsResponse:
         """Memory counts by state, observation count, and the oldest pending memory's age."""
         await _require_bank(pool, bank_id)
@@ -636,7 +635,7 @@ def _add_v1_routes(router: fastapi.APIRouter, settings: Settings, pool: asyncpg.
         )
 
     @router.post(
-        "/banks/{bank_id}/memories/recover",
+        "/v1/banks/{bank_id}/memories/recover",
         response_model=RecoverResponse,
         summary="Retry failed memories",
     )
