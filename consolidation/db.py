@@ -76,6 +76,12 @@ async def _init_connection(conn: asyncpg.Connection) -> None:
         )
 
 
+async def _keep_session(conn: asyncpg.Connection) -> None:
+    """Pool connections keep no session state (LISTEN uses dedicated connections; no session
+    locks, cursors or SETs), so the default reset query — one more round trip on every release —
+    is skipped. asyncpg still rolls back a transaction left open before calling this."""
+
+
 async def connect(url: str) -> asyncpg.Connection:
     """One connection with the project's JSON codecs (for LISTEN and one-off commands)."""
     conn: asyncpg.Connection = await asyncpg.connect(url)
@@ -110,6 +116,7 @@ async def create_pool(
         max_size=max_size,
         server_settings=server_settings,
         init=_init_connection,
+        reset=_keep_session,
         # Statements are few and named; the cache avoids re-planning on the hot path.
         statement_cache_size=256,
     )

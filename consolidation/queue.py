@@ -318,19 +318,6 @@ async def record_progress(
     return bool(row["cancel_requested"])
 
 
-CHECK_FENCE = f"SELECT 1 FROM operations WHERE {FENCE} FOR SHARE"
-
-
-async def check_fence(conn: asyncpg.Connection, lease: Lease) -> None:
-    """Inside a transaction: hold the operation row so no reclaim can commit before we do.
-
-    A reclaim updates the row, which waits for our share lock; after we commit it sees our work
-    in the journal. Raises LeaseLost when the operation is no longer ours.
-    """
-    if await conn.fetchval(CHECK_FENCE, *_fence_args(lease)) is None:
-        raise LeaseLost(f"operation {lease.operation_id} attempt {lease.attempt} is no longer ours")
-
-
 FINISH = f"""
 UPDATE operations
 SET status = $4, result = $5, error = $6, finished_at = now(), lease_expires_at = NULL

@@ -10,9 +10,9 @@ from typing import Any
 
 import asyncpg
 
-from consolidation.errors import ValidationError
+from consolidation.errors import LeaseLost, ValidationError
 from consolidation.memories import NewMemory
-from consolidation.queue import Lease, check_fence
+from consolidation.queue import Lease
 from consolidation.scopes import Scope
 
 SCOPE_SEP = "\x1f"
@@ -361,55 +361,11 @@ class StaleObservation(Exception):
     """An observation the answer refers to is gone or not in the pass's bank and scope."""
 
 
-INSERT_OBSERVATIONS = """
-INSERT INTO observations (id, bank_id, scope, text)
-SELECT t.id, $1, $2, t.text FROM unnest($3::uuid[], $4::text[]) AS t(id, text)
-"""
-
-LOCK_OBSERVATIONS = """
-SELECT id, text, version FROM observations
-WHERE id = ANY($1::uuid[]) AND bank_id = $2 AND scope = $3
-FOR UPDATE
-"""
-
-UPDATE_OBSERVATION = """
-UPDATE observations SET text = $2, updated_at = now(), version = version + 1
-WHERE id = $1
-RETURNING version
-"""
-
-MOVE_SOURCES = """
-INSERT INTO observation_sources (observation_id, memory_id, operation_id, created_at)
-SELECT $1, s.memory_id, s.operation_id, s.created_at
-FROM observation_sources s WHERE s.observation_id = ANY($2::uuid[])
-ON CONFLICT DO NOTHING
-"""
-
-INSERT_HISTORY = """
-INSERT INTO observation_history
-    (observation_id, bank_id, scope, operation_id, action, version, previous_text, new_text,
-     merged_into, memory_ids)
-SELECT t.observation_id, $1, $2, $3, t.action, t.version, t.previous_text, t.new_text,
-       t.merged_into, ARRAY(SELECT jsonb_array_elements_text(t.memory_ids))::uuid[]
-FROM jsonb_to_recordset($4::jsonb) AS t(observation_id uuid, action text, version int,
-     previous_text text, new_text text, merged_into uuid, memory_ids jsonb)
-"""
-
-DELETE_OBSERVATIONS = "DELETE FROM observations WHERE id = ANY($1::uuid[])"
-
-INSERT_SOURCES = """
-INSERT INTO observation_sources (observation_id, memory_id, operation_id)
-SELECT t.observation_id, t.memory_id, $3 FROM unnest($1::uuid[], $2::uuid[])
-    AS t(observation_id, memory_id)
-ON CONFLICT DO NOTHING
-"""
-
-INSERT_OUTCOMES = """
-INSERT INTO consolidation_outcomes (memory_id, scope, operation_id, action, observation_ids)
-SELECT t.memory_id, $1, $2, t.action,
-       ARRAY(SELECT jsonb_array_elements_text(t.observation_ids))::uuid[]
-FROM jsonb_to_recordset($3::jsonb) AS t(memory_id uuid, action text, observation_ids jsonb)
-"""
+# The statements of a pass live in migrations/versions/0002_apply_pass_function.py: one round
+# trip, one implicit transaction, fenced first.
+APPLY_PASS = "SELECT consolidation_apply_pass($1::jsonb)"
+FENCE_LOST = "CN001"
+NOT_IN_SCOPE = "CN002"
 
 
 async def apply_pass(pool: asyncpg.Pool, lease: Lease, write: PassWrite) -> None:
@@ -417,93 +373,31 @@ async def apply_pass(pool: asyncpg.Pool, lease: Lease, write: PassWrite) -> None
 
     Raises LeaseLost (nothing written) or StaleObservation (nothing written).
     """
-    scope = list(write.scope)
-    creates = [w for w in write.observations if w.create]
-    changes = [w for w in write.observations if not w.create]
-    async with pool.acquire() as conn, conn.transaction():
-        await check_fence(conn, lease)
-        history: list[dict[str, Any]] = []
-        if changes:
-            touched = [i for w in changes for i in w.ids]
-            old = {
-                r["id"]: r
-                for r in await conn.fetch(LOCK_OBSERVATIONS, touched, write.bank_id, scope)
-            }
-            missing = [i for i in touched if i not in old]
-            if missing:
-                raise StaleObservation(f"observation(s) {missing} not in this bank and scope")
-            for w in changes:
-                keep, merged = w.ids[0], list(w.ids[1:])
-                version = await conn.fetchval(UPDATE_OBSERVATION, keep, w.text)
-                history.append(
-                    _history(
-                        keep,
-                        "merged" if merged else "updated",
-                        version,
-                        old[keep]["text"],
-                        w.text,
-                        None,
-                        w.memory_ids,
-                    )
-                )
-                if merged:
-                    await conn.execute(MOVE_SOURCES, keep, merged)
-                    history += [
-                        _history(
-                            m,
-                            "merged_away",
-                            old[m]["version"],
-                            old[m]["text"],
-                            None,
-                            keep,
-                            w.memory_ids,
-                        )
-                        for m in merged
-                    ]
-                    await conn.execute(DELETE_OBSERVATIONS, merged)
-            await conn.execute(INSERT_HISTORY, write.bank_id, scope, write.operation_id, history)
-        if creates:
-            await conn.execute(
-                INSERT_OBSERVATIONS,
-                write.bank_id,
-                scope,
-                [w.ids[0] for w in creates],
-                [w.text for w in creates],
-            )
-        pairs = [(w.ids[0], m) for w in write.observations for m in w.memory_ids]
-        if pairs:
-            await conn.execute(
-                INSERT_SOURCES, [p[0] for p in pairs], [p[1] for p in pairs], write.operation_id
-            )
-        await conn.execute(
-            INSERT_OUTCOMES,
-            scope,
-            write.operation_id,
-            [
-                {"memory_id": o.memory_id, "action": o.action, "observation_ids": o.observation_ids}
-                for o in write.outcomes
-            ],
-        )
-
-
-def _history(
-    observation_id: uuid.UUID,
-    action: str,
-    version: int,
-    previous_text: str,
-    new_text: str | None,
-    merged_into: uuid.UUID | None,
-    memory_ids: Sequence[uuid.UUID],
-) -> dict[str, Any]:
-    return {
-        "observation_id": observation_id,
-        "action": action,
-        "version": version,
-        "previous_text": previous_text,
-        "new_text": new_text,
-        "merged_into": merged_into,
-        "memory_ids": list(memory_ids),
+    payload = {
+        "operation_id": write.operation_id,
+        "worker_id": lease.worker_id,
+        "attempt": lease.attempt,
+        "bank_id": write.bank_id,
+        "scope": list(write.scope),
+        "creates": [_observation_json(w) for w in write.observations if w.create],
+        "changes": [_observation_json(w) for w in write.observations if not w.create],
+        "outcomes": [
+            {"memory_id": o.memory_id, "action": o.action, "observation_ids": o.observation_ids}
+            for o in write.outcomes
+        ],
     }
+    try:
+        await pool.execute(APPLY_PASS, payload)
+    except asyncpg.PostgresError as exc:
+        if exc.sqlstate == FENCE_LOST:
+            raise LeaseLost(str(exc)) from None
+        if exc.sqlstate == NOT_IN_SCOPE:
+            raise StaleObservation(str(exc)) from None
+        raise
+
+
+def _observation_json(write: ObservationWrite) -> dict[str, Any]:
+    return {"ids": write.ids, "text": write.text, "memory_ids": write.memory_ids}
 
 
 # Fenced per row: a worker that lost its lease marks nothing. Executed with executemany, which

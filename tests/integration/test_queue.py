@@ -113,7 +113,8 @@ async def test_a_worker_frozen_inside_a_transaction_is_fenced_so_its_work_can_be
     try:
         transaction = conn.transaction()
         await transaction.start()
-        await queue.check_fence(conn, lease)  # holds the row FOR SHARE, like an apply
+        # Hold the row FOR SHARE, as an apply in progress does.
+        await conn.execute("SELECT 1 FROM operations WHERE id = $1 FOR SHARE", lease.operation_id)
         assert await queue.claim(pool, "worker:healthy:2", 30) is None  # row skipped: locked
         fenced = await queue.terminate_stalled_workers(pool, "worker:healthy:2", grace_s=0)
         assert fenced == ["worker:frozen:1"]
