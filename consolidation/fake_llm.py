@@ -8,7 +8,8 @@ records what it saw (``GET /_stats``) so tests can assert on concurrency and tim
 Poison markers in a fact's text spoil the answer of the whole request containing that fact:
 ``[[poison]]`` cites the unknown ref ``f9999``, ``[[badjson]]`` answers ``this is not json``,
 ``[[truncate]]`` cuts the answer in half with ``finish_reason: "length"``, ``[[empty]]`` answers
-an empty content.
+an empty content. ``[[answer]]`` plays a model that obeys instructions injected into a memory: the
+assistant content is the rest of the first fact text containing the marker, sent verbatim.
 
 Stats (``stats()`` or ``GET /_stats``): ``requests``, ``completed`` (200 sent), ``failed`` (other
 status sent), ``aborted`` (client left first), ``in_flight``, ``max_in_flight``,
@@ -54,6 +55,7 @@ POISON_MARKER = "[[poison]]"
 BADJSON_MARKER = "[[badjson]]"
 TRUNCATE_MARKER = "[[truncate]]"
 EMPTY_MARKER = "[[empty]]"
+ANSWER_MARKER = "[[answer]]"
 
 _SCRIPT_KEYS = (
     frozenset({"status", "retry_after", "body"}),
@@ -182,6 +184,9 @@ def _parse(body: bytes) -> _Parsed:
 def _answer_content(parsed: _Parsed, pad_bytes: int) -> tuple[str, str]:
     """The assistant content and finish_reason for a request, poison markers applied."""
     texts = "\n".join(parsed.fact_texts)
+    for text in parsed.fact_texts:
+        if ANSWER_MARKER in text:
+            return text.split(ANSWER_MARKER, 1)[1], "stop"
     if BADJSON_MARKER in texts:
         return "this is not json", "stop"
     if EMPTY_MARKER in texts:

@@ -1,0 +1,279 @@
+"""Database faults under real `consolidation serve` processes.
+
+- Sessions terminated mid-operation (``pg_terminate_backend``) on the test database.
+- Postgres restarted mid-operation: a private embedded server (pgserver) that this test starts,
+  stops and starts again with the same data directory; the machine's shared server is never
+  touched. While it is down the API answers 503 with a JSON error; afterwards everything
+  recovers by itself and every memory is consolidated exactly once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import httpx
+import pytest
+
+from consolidation import db, queue
+from consolidation.fake_llm import FakeLLMServer
+from tests.acceptance.harness import ServiceProcess
+from tests.integration.engine_helpers import ingest, wait_for
+from tests.invariants import assert_consistent
+
+pytestmark = pytest.mark.acceptance
+
+
+@contextlib.contextmanager
+def known_worker_crash_is_xfail(service: ServiceProcess) -> Iterator[None]:
+    """Turn the one known bug's failure into an xfail of this run, and nothing else.
+
+    Until Worker._fill_slots survives every error a broken pooled connection can raise, the
+    worker sometimes dies on asyncpg's InternalClientError while Postgres goes away, and
+    `serve` exits 1. test_the_worker_loop_survives_a_broken_connection_error_during_a_claim
+    (tests/integration/test_db_faults.py) shows it deterministically; remove this guard with
+    that test's xfail mark.
+    """
+    try:
+        yield
+    except (AssertionError, httpx.TransportError):
+        crashed = service.proc.poll() is not None and any(
+            event.get("part") == "worker" and "InternalClientError" in str(event.get("error"))
+            for event in service.events("service_part_stopped")
+        )
+        if crashed:
+            pytest.xfail("known bug: the worker loop died on asyncpg InternalClientError")
+        raise
+
+
+def topics(count: int, per_topic: int) -> list[dict[str, Any]]:
+    return [
+        {"text": f"Person{t} drinks green tea every morning, note {i}", "tags": [f"topic-{t}"]}
+        for t in range(count)
+        for i in range(per_topic)
+    ]
+
+
+def service_env(database_url: str, llm_url: str, **extra: str) -> dict[str, str]:
+    return {
+        "CONSOLIDATION_DATABASE_URL": database_url,
+        "CONSOLIDATION_LLM_BASE_URL": llm_url,
+        "CONSOLIDATION_LLM_BATCH_SIZE": "2",
+        "CONSOLIDATION_LLM_MAX_RETRIES": "1",
+        "CONSOLIDATION_LLM_BACKOFF_BASE_S": "0.05",
+        "CONSOLIDATION_LLM_BACKOFF_MAX_S": "0.2",
+        "CONSOLIDATION_POLL_INTERVAL_S": "0.2",
+        "CONSOLIDATION_RETRY_BACKOFF_S": "0",
+        "CONSOLIDATION_LEASE_S": "2",
+        "CONSOLIDATION_AUTO_CONSOLIDATE": "false",
+        **extra,
+    }
+
+
+# Sessions of workers (named after their worker id) and their LISTEN connection; never ours.
+TERMINATE_WORKER_SESSIONS = """
+SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity
+WHERE datname = current_database() AND pid <> pg_backend_pid()
+  AND (application_name LIKE 'worker:%' OR query ILIKE 'LISTEN%')
+"""
+
+
+async def test_a_worker_whose_sessions_are_terminated_mid_operation_finishes_it_exactly_once(
+    pool: asyncpg.Pool,
+    database_url: str,
+    fake: FakeLLMServer,
+    services: list[ServiceProcess],
+    tmp_path: Path,
+) -> None:
+    fake.control(latency_ms=60)
+    await ingest(pool, "b", topics(6, 6))
+    op = (await queue.submit(pool, "b", max_attempts=50)).operation
+    worker = ServiceProcess("worker", tmp_path, service_env(database_url, fake.url), "--no-api")
+    services.append(worker)
+    terminated = 0
+    with known_worker_crash_is_xfail(worker):
+        for answered in (3, 8, 13):
+            await wait_for(
+                lambda n=answered: fake.stats()["completed"] >= n or worker.proc.poll() is not None,
+                what=f"{answered} passes to be answered",
+            )
+            terminated += await pool.fetchval(TERMINATE_WORKER_SESSIONS)
+        assert terminated >= 3
+        await wait_for(
+            lambda: (
+                worker.proc.poll() is not None
+                or pool.fetchval("SELECT status = 'completed' FROM operations WHERE id = $1", op.id)
+            ),
+            timeout_s=90,
+            what="the operation to complete despite its sessions being terminated",
+        )
+        assert worker.proc.poll() is None, "the worker must survive losing its sessions"
+    census = await assert_consistent(pool)
+    assert census.consolidated == 36 and census.failed == 0
+    assert census.outcomes == 36 and census.sources == 36
+    assert census.observations == 6  # one per topic: no duplicate
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="worker.Worker._listen LISTENs once at start-up and never again: after its LISTEN "
+    "session is lost (database restart, terminated backend) submits and cancels no longer "
+    "wake the worker; only polling and the heartbeat notice them",
+)
+async def test_an_idle_worker_listens_again_after_its_listen_session_is_terminated(
+    pool: asyncpg.Pool,
+    database_url: str,
+    fake: FakeLLMServer,
+    services: list[ServiceProcess],
+    tmp_path: Path,
+) -> None:
+    env = service_env(database_url, fake.url, CONSOLIDATION_POLL_INTERVAL_S="3600")
+    worker = ServiceProcess("worker", tmp_path, env, "--no-api")
+    services.append(worker)
+    await worker.wait_event("worker_started")
+    await wait_for(
+        lambda: pool.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND query ILIKE 'LISTEN%'"
+        ),
+        what="the worker's LISTEN session",
+    )
+    assert await pool.fetchval(TERMINATE_WORKER_SESSIONS) >= 1
+    await ingest(pool, "b", topics(1, 2))
+    op = (await queue.submit(pool, "b")).operation
+    # With an hour between polls, only a NOTIFY on a new LISTEN session can wake it.
+    await worker.wait_event("operation_claimed", timeout_s=10, operation_id=str(op.id))
+
+
+# --- a private Postgres, restarted mid-operation ------------------------------------------------
+
+
+class PrivatePostgres:
+    """An embedded Postgres in a temporary directory, stoppable and restartable in place."""
+
+    def __init__(self) -> None:
+        import pgserver
+
+        self.dir = Path(tempfile.mkdtemp(prefix="consolidation-pg-"))
+        self.server = pgserver.get_server(self.dir, cleanup_mode="delete")
+        self.url: str = self.server.get_uri()
+
+    def stop(self, mode: str) -> None:
+        from pgserver._commands import pg_ctl
+
+        pg_ctl(["-w", "-m", mode, "stop"], pgdata=self.server.pgdata, user=self.server.system_user)
+
+    def start(self) -> None:
+        from pgserver.postgres_server import PostgresServer
+
+        with PostgresServer._lock:
+            self.server.ensure_postgres_running()
+
+    def cleanup(self) -> None:
+        """Stop the server and delete its directory, whatever state the test left it in."""
+        from pgserver.utils import PostmasterInfo
+
+        with contextlib.suppress(Exception):
+            info = PostmasterInfo.read_from_pgdata(self.server.pgdata)
+            if info is None or not info.is_running():
+                self.start()  # pgserver only stops (then deletes) a server it sees running
+        with contextlib.suppress(Exception):
+            self.server.cleanup()
+
+
+@pytest.fixture
+def private_pg() -> Iterator[PrivatePostgres]:
+    pg = PrivatePostgres()
+    try:
+        db.migrate_sync(pg.url)
+        yield pg
+    finally:
+        pg.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def open_pool(url: str) -> AsyncIterator[asyncpg.Pool]:
+    pool = await db.create_pool(url, min_size=1, max_size=4)
+    try:
+        yield pool
+    finally:
+        await pool.close()
+
+
+async def assert_database_unavailable(
+    http: httpx.AsyncClient, method: str, path: str, **kw: Any
+) -> None:
+    response = await http.request(method, path, **kw)
+    assert response.status_code == 503, (path, response.status_code, response.text)
+    assert response.headers["content-type"].startswith("application/json")
+    assert response.json()["error"]["code"] == "database_unavailable"
+
+
+async def test_postgres_restarted_mid_operation_the_api_says_503_and_everything_recovers(
+    private_pg: PrivatePostgres,
+    fake: FakeLLMServer,
+    services: list[ServiceProcess],
+    tmp_path: Path,
+) -> None:
+    fake.control(latency_ms=80)
+    async with open_pool(private_pg.url) as pool:
+        await ingest(pool, "b", topics(4, 8))
+        op = (await queue.submit(pool, "b", max_attempts=50)).operation
+    service = ServiceProcess("service", tmp_path, service_env(private_pg.url, fake.url))
+    services.append(service)
+    base_url = await service.api_url()
+    with known_worker_crash_is_xfail(service):
+        await restart_postgres_twice_and_recover(service, private_pg, fake, base_url, op.id)
+    async with open_pool(private_pg.url) as pool:
+        census = await assert_consistent(pool)
+    assert census.outcomes == 32 and census.sources == 32
+    assert census.observations == 4  # one per topic: no duplicate
+
+
+async def restart_postgres_twice_and_recover(
+    service: ServiceProcess,
+    private_pg: PrivatePostgres,
+    fake: FakeLLMServer,
+    base_url: str,
+    operation_id: Any,
+) -> None:
+    op_path = f"/v1/operations/{operation_id}"
+    async with httpx.AsyncClient(base_url=base_url, timeout=30) as http:
+        assert (await http.get("/readyz")).status_code == 200
+        # Down twice: a clean fast shutdown, then a crash (immediate: WAL recovery on start).
+        for answered, mode in ((3, "fast"), (9, "immediate")):
+            await wait_for(
+                lambda n=answered: (
+                    fake.stats()["completed"] >= n or service.proc.poll() is not None
+                ),
+                what=f"{answered} passes to be answered",
+            )
+            private_pg.stop(mode)
+            await assert_database_unavailable(http, "GET", "/readyz")
+            await assert_database_unavailable(http, "GET", "/v1/banks/b/stats")
+            await assert_database_unavailable(http, "GET", op_path)
+            await assert_database_unavailable(
+                http, "POST", "/v1/banks/b/memories", json={"memories": [{"text": "x"}]}
+            )
+            assert (await http.get("/healthz")).status_code == 200
+            assert service.proc.poll() is None, (
+                "the service must not exit while the database is down"
+            )
+            private_pg.start()
+
+            async def ready() -> bool:
+                return (await http.get("/readyz")).status_code == 200
+
+            await wait_for(ready, what="readiness to recover by itself")
+
+        async def completed() -> bool:
+            response = await http.get(op_path)
+            return response.status_code == 200 and response.json()["status"] == "completed"
+
+        await wait_for(completed, timeout_s=90, what="the operation to complete")
+        stats = (await http.get("/v1/banks/b/stats")).json()
+        assert stats["pending"] == 0 and stats["failed"] == 0 and stats["consolidated"] == 32

@@ -1,0 +1,274 @@
+"""Database faults against the engine and the worker in-process (real Postgres, fake LLM).
+
+The process-level scenarios (sessions terminated under a running `consolidation serve`, a
+private Postgres restarted mid-operation) are in tests/acceptance/test_db_faults.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import asyncpg
+import pytest
+
+from consolidation import queue
+from consolidation.engine import EngineConfig, run_operation
+from consolidation.fake_llm import FakeLLMServer
+from consolidation.settings import load_settings
+from consolidation.worker import Worker
+from tests.integration.engine_helpers import http_llm, ingest, wait_for
+from tests.invariants import assert_consistent
+
+
+def topics(count: int, per_topic: int) -> list[dict[str, Any]]:
+    return [
+        {"text": f"Person{t} drinks green tea every morning, note {i}", "tags": [f"topic-{t}"]}
+        for t in range(count)
+        for i in range(per_topic)
+    ]
+
+
+TERMINATE_OTHERS = """
+SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity
+WHERE datname = current_database() AND pid <> pg_backend_pid() AND application_name = $1
+"""
+
+
+async def test_sessions_terminated_during_every_stage_of_a_pass_never_duplicate_or_lose_work(
+    database_url: str, pool: asyncpg.Pool, fake: FakeLLMServer
+) -> None:
+    """Kill the engine's sessions again and again; each attempt resumes from the journal."""
+    from consolidation import db
+
+    await ingest(pool, "b", topics(5, 6))
+    op = (await queue.submit(pool, "b", max_attempts=100)).operation
+    engine_pool = await db.create_pool(
+        database_url, min_size=2, max_size=6, application_name="engine-under-test"
+    )
+    llm = http_llm(fake.url)
+    fake.control(latency_ms=15, jitter_ms=15)
+    config = EngineConfig(llm_batch_size=2, group_parallelism=3, retry_backoff_s=0)
+    killed = 0
+
+    async def killer(done: asyncio.Event) -> None:
+        nonlocal killed
+        while not done.is_set():
+            answered = killed * 2
+            await wait_for(lambda n=answered: fake.stats()["completed"] > n or done.is_set())
+            killed += 1
+            await pool.fetchval(TERMINATE_OTHERS, "engine-under-test")
+
+    attempts = []
+    try:
+        done = asyncio.Event()
+        task = asyncio.create_task(killer(done))
+        while len(attempts) < 60:
+            try:
+                lease = await queue.claim(engine_pool, "w", 30)
+                if lease is None:
+                    status = await pool.fetchval(
+                        "SELECT status FROM operations WHERE id = $1", op.id
+                    )
+                    if status != "running":
+                        break
+                    # The attempt's final write was lost with its session: its lease would
+                    # run out and a worker would reclaim it; do not wait 30 s for that.
+                    await pool.execute(
+                        "UPDATE operations SET lease_expires_at = now() WHERE id = $1", op.id
+                    )
+                    continue
+                end = await run_operation(engine_pool, lease, llm, config)
+                attempts.append(end.status)
+            except Exception as exc:  # the worker survives anything an attempt raises
+                attempts.append(type(exc).__name__)
+        done.set()
+        await task
+    finally:
+        await llm.aclose()
+        await engine_pool.close()
+    print(f"{killed} rounds of terminated sessions; attempts: {attempts}")
+    assert killed >= 3 and len(attempts) >= 2, attempts
+    assert await pool.fetchval("SELECT status FROM operations WHERE id = $1", op.id) == "completed"
+    census = await assert_consistent(pool)
+    assert census.consolidated == 30 and census.outcomes == 30 and census.sources == 30
+    assert census.observations == 5
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="worker.Worker keys slots by operation id: when the worker reclaims its own "
+    "operation whose lease expired (heartbeats failed while the database was down), the old "
+    "attempt's end pops the new attempt's slot, so shutdown never drains the new attempt",
+)
+async def test_a_worker_that_reclaims_its_own_expired_operation_still_hands_it_back_on_shutdown(
+    database_url: str, pool: asyncpg.Pool, fake: FakeLLMServer
+) -> None:
+    await ingest(pool, "b", topics(2, 2))
+    op = (await queue.submit(pool, "b", max_attempts=10)).operation
+    # Every answer takes a minute: attempts stay in flight until they are stopped.
+    fake.control(latency_ms=60_000)
+    settings = load_settings(
+        database_url=database_url,
+        llm_base_url=fake.url,
+        lease_s=3,
+        poll_interval_s=0.05,
+        shutdown_grace_s=0.2,
+        retry_backoff_s=0,
+        llm_batch_size=2,
+        group_parallelism=1,
+    )
+    llm = http_llm(fake.url, timeout_s=120)
+    shutdown = asyncio.Event()
+    worker = Worker(settings, pool, database_url, llm, worker_id="worker-under-test")
+    task = asyncio.create_task(worker.run(shutdown))
+    try:
+        await wait_for(lambda: fake.stats()["in_flight"] == 1, what="the first attempt's call")
+
+        # The database was unreachable past the lease: to the claim query the attempt looks
+        # abandoned, and this very worker takes it back (attempt 2).
+        async def reclaimed() -> bool:
+            await pool.execute(
+                "UPDATE operations SET lease_expires_at = now() - interval '1 second'"
+                " WHERE id = $1 AND attempt = 1",
+                op.id,
+            )
+            return bool(
+                await pool.fetchval("SELECT attempt = 2 FROM operations WHERE id = $1", op.id)
+            )
+
+        await wait_for(reclaimed, what="the worker to reclaim its own operation")
+        # Attempt 1 notices at its next heartbeat that it lost the lease and stops.
+        await wait_for(lambda: fake.stats()["aborted"] == 1, what="attempt 1 to stop")
+        await wait_for(lambda: fake.stats()["in_flight"] == 1, what="attempt 2's call")
+        shutdown.set()
+        await asyncio.wait_for(task, timeout=30)
+        row = await queue.get_operation(pool, op.id)
+        # Graceful shutdown hands attempt 2 back without spending it.
+        assert (row.status, row.attempt, row.error) == ("pending", 1, "interrupted by shutdown")
+    finally:
+        shutdown.set()
+        await asyncio.gather(task, return_exceptions=True)
+        leftovers = [t for t in asyncio.all_tasks() if t.get_name() == f"slot-{op.id}"]
+        for leftover in leftovers:
+            leftover.cancel()
+        await asyncio.gather(*leftovers, return_exceptions=True)
+        await llm.aclose()
+
+
+class FaultyPool:
+    """The real pool, except that the first statement containing ``marker`` raises ``error``:
+    how asyncpg fails on a pooled connection the server closed under it (observed while
+    Postgres shut down: ``InternalClientError: cannot switch to state 11; another operation
+    (2) is in progress``, and ``InterfaceError: ... the underlying connection is closed``)."""
+
+    def __init__(self, pool: asyncpg.Pool, marker: str, error: Exception) -> None:
+        self._pool = pool
+        self._marker = marker
+        self._error: Exception | None = error
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pool, name)
+
+    def _maybe_fail(self, query: str) -> None:
+        if self._error is not None and self._marker in query:
+            error, self._error = self._error, None
+            raise error
+
+    async def fetchrow(self, query: str, *args: Any, **kwargs: Any) -> Any:
+        self._maybe_fail(query)
+        return await self._pool.fetchrow(query, *args, **kwargs)
+
+    async def fetch(self, query: str, *args: Any, **kwargs: Any) -> Any:
+        self._maybe_fail(query)
+        return await self._pool.fetch(query, *args, **kwargs)
+
+
+BROKEN_CONNECTION_ERRORS = [
+    asyncpg.exceptions._base.InternalClientError(
+        "cannot switch to state 11; another operation (2) is in progress"
+    ),
+    asyncpg.InterfaceError("cannot perform operation: connection is closed"),
+]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="worker.Worker._fill_slots catches only OSError, PostgresError and InterfaceError "
+    "around the claim; asyncpg's InternalClientError from a connection the server closed "
+    "(seen when Postgres shuts down) ends Worker.run, and `serve` then exits with status 1",
+)
+async def test_the_worker_loop_survives_a_broken_connection_error_during_a_claim(
+    database_url: str, pool: asyncpg.Pool, fake: FakeLLMServer
+) -> None:
+    await ingest(pool, "b", topics(1, 2))
+    op = (await queue.submit(pool, "b")).operation
+    settings = load_settings(
+        database_url=database_url, llm_base_url=fake.url, poll_interval_s=0.05, lease_s=5
+    )
+    faulty = FaultyPool(pool, "FOR UPDATE SKIP LOCKED", BROKEN_CONNECTION_ERRORS[0])
+    llm = http_llm(fake.url)
+    shutdown = asyncio.Event()
+    worker = Worker(settings, faulty, database_url, llm, worker_id="w")  # type: ignore[arg-type]
+    task = asyncio.create_task(worker.run(shutdown))
+    try:
+
+        async def completed_or_dead() -> bool:
+            status = await pool.fetchval("SELECT status FROM operations WHERE id = $1", op.id)
+            return task.done() or status == "completed"
+
+        await wait_for(completed_or_dead, what="the operation to complete or the worker to die")
+        assert not task.done(), f"the worker loop died: {task.exception()!r}"
+    finally:
+        shutdown.set()
+        await asyncio.gather(task, return_exceptions=True)
+        await llm.aclose()
+
+
+async def heartbeat_fault_keeps_the_lease(
+    pool: asyncpg.Pool, fake: FakeLLMServer, error: Exception
+) -> None:
+    """Fail one heartbeat with ``error`` while another worker polls for abandoned work: the
+    operation must keep its lease and complete."""
+    await ingest(pool, "b", topics(1, 12))
+    lease_s = 1.5
+    lease = await queue.start_foreground(pool, "b", "w", lease_s)
+    fake.control(latency_ms=500)  # six passes: the operation outlives its lease twice over
+    faulty = FaultyPool(pool, "lease_expires_at = now()", error)
+    llm = http_llm(fake.url)
+    config = EngineConfig(llm_batch_size=2, lease_s=lease_s)
+    run = asyncio.create_task(run_operation(faulty, lease, llm, config))  # type: ignore[arg-type]
+    taken_over = None
+    try:
+        while not run.done() and taken_over is None:
+            taken_over = await queue.claim(pool, "other-worker", 30)
+            await asyncio.wait({run}, timeout=0.1)
+        end = await run
+    finally:
+        await llm.aclose()
+    assert taken_over is None, "the live operation's lease ran out and another worker took it"
+    assert end.status == "completed", end.error
+
+
+async def test_one_heartbeat_lost_with_its_session_does_not_lose_the_lease(
+    pool: asyncpg.Pool, fake: FakeLLMServer
+) -> None:
+    error = asyncpg.exceptions.ConnectionDoesNotExistError(
+        "connection was closed in the middle of operation"
+    )
+    await heartbeat_fault_keeps_the_lease(pool, fake, error)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="engine._keep_lease catches only TimeoutError, OSError and PostgresError: one "
+    "InterfaceError/InternalClientError from a broken pooled connection ends the heartbeat "
+    "task silently, the lease runs out mid-operation and the attempt is lost and redone",
+)
+@pytest.mark.parametrize(
+    "error", BROKEN_CONNECTION_ERRORS, ids=["InternalClientError", "InterfaceError"]
+)
+async def test_one_heartbeat_failing_on_a_broken_connection_does_not_lose_the_lease(
+    pool: asyncpg.Pool, fake: FakeLLMServer, error: Exception
+) -> None:
+    await heartbeat_fault_keeps_the_lease(pool, fake, error)
