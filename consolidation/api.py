@@ -601,7 +601,7 @@ def _add_v1_routes(router: fastapi.APIRouter, settings: Settings, pool: asyncpg.
     ) -> ObservationsPage:
         """Observations of a bank ordered by id, one page at a time."""
         scope_filter = _scope_param(scope)
-        after = _decode_cursor(cursor) if cursor else None
+        after = _decode_cursor(cursor) if cursor is not None else None
         await _require_bank(pool, bank_id)
         rows = await store.list_observations(
             pool, bank_id, scope=scope_filter, after=after, limit=limit + 1

@@ -24,7 +24,7 @@ from consolidation.errors import (
     LLMConfigError,
     OperationCancelled,
 )
-from consolidation.llm import Consolidator
+from consolidation.llm import Consolidator, LLMRetriesExhausted
 from consolidation.perf import PerfLog
 from consolidation.prompts import (
     SYSTEM_PROMPT,
@@ -408,6 +408,10 @@ class OperationRun:
         perf.prompt_chars += len(SYSTEM_PROMPT) + len(request.user_content)
         try:
             answer = await self.llm.complete(SYSTEM_PROMPT, request.user_content)
+        except LLMRetriesExhausted as exc:
+            # The stored result must say the pass was retried, not only that it failed.
+            perf.llm_retries += exc.attempts - 1
+            raise
         finally:
             perf.llm_s += time.monotonic() - started
         perf.llm_retries += answer.retries
@@ -485,9 +489,11 @@ async def _keep_lease(pool: asyncpg.Pool, lease: Lease, lease_s: float, stop: St
             log.warning("lease_lost", operation_id=str(lease.operation_id), attempt=lease.attempt)
             stop.set("lease_lost")
             return
-        except (TimeoutError, OSError, asyncpg.PostgresError) as exc:
-            # The database may be back before the lease runs out; keep trying.
-            log.warning("heartbeat_failed", operation_id=str(lease.operation_id), error=str(exc))
+        except Exception as exc:
+            # Any other failure (a dropped connection surfaces as OSError, PostgresError,
+            # InterfaceError or InternalClientError) is the database's, not the lease's: it may
+            # be back before the lease runs out, so keep trying rather than let the lease lapse.
+            log.warning("heartbeat_failed", operation_id=str(lease.operation_id), error=repr(exc))
 
 
 @dataclass(frozen=True)

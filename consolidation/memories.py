@@ -126,7 +126,9 @@ def parse_memory(obj: object, default_id: uuid.UUID | None = None) -> NewMemory:
     elif "\x00" in text:
         problems.append("text must not contain NUL characters")
 
-    tags = obj.get("tags") or []
+    tags = obj.get("tags")
+    if tags is None:
+        tags = []
     tag_problems = _tag_problems(tags)
     problems += tag_problems
     if tag_problems:

@@ -212,6 +212,10 @@ WITH candidate AS (
     FROM operations o
     WHERE ((o.status = 'pending' AND o.run_after <= now())
            OR (o.status = 'running' AND o.lease_expires_at < now()))
+      -- Not one the claiming worker is still running: its lease lapsed (the database was
+      -- unreachable past it) but its next heartbeat renews it; reclaiming it would run two
+      -- attempts side by side in one worker.
+      AND o.id <> ALL($3::uuid[])
       -- A bank with a running operation (live or expired) gets no second one; an expired one
       -- is itself a candidate, so it is reclaimed before its bank's pending work is started.
       AND NOT EXISTS (
@@ -234,11 +238,17 @@ RETURNING o.id, o.bank_id, o.worker_id, o.attempt, o.scope_filter, o.max_attempt
 """
 
 
-async def claim(pool: asyncpg.Pool, worker_id: str, lease_s: float) -> Lease | None:
-    """Claim one due operation (or one whose lease expired); None when there is none."""
+async def claim(
+    pool: asyncpg.Pool,
+    worker_id: str,
+    lease_s: float,
+    running: Sequence[uuid.UUID] = (),
+) -> Lease | None:
+    """Claim one due operation (or one whose lease expired, except those in ``running``, which
+    the caller is still running); None when there is none."""
     for _ in range(3):
         try:
-            row = await pool.fetchrow(CLAIM, worker_id, lease_s)
+            row = await pool.fetchrow(CLAIM, worker_id, lease_s, list(running))
         except asyncpg.UniqueViolationError:
             # Another worker started a running operation on the same bank between our
             # candidate scan and the update; the index kept the promise, try another.

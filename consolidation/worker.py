@@ -1,8 +1,8 @@
 """The long-running poller: claims operations, runs them in slots, shuts down gracefully.
 
 Wake-ups come from LISTEN/NOTIFY (submit and cancel) with a polling fallback, so a lost
-notification costs at most one poll interval. Resources live in one AsyncExitStack, so shutdown
-releases them in the reverse order of start-up.
+notification costs at most one poll interval; the LISTEN connection is reopened when it drops.
+The pool and the LLM client belong to the caller (service.py holds them in one exit stack).
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import time
 import uuid
-from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
 import asyncpg
@@ -26,6 +26,8 @@ log = structlog.get_logger(__name__)
 
 # After a failed claim (database unreachable), wait this long before trying again.
 CLAIM_ERROR_BACKOFF_S = 1.0
+# After a failed attempt to (re)open the LISTEN connection, poll this long before trying again.
+LISTEN_RETRY_S = 1.0
 
 
 @dataclass
@@ -55,6 +57,8 @@ class Worker:
         self.config = EngineConfig.from_settings(settings)
         self.slots: dict[uuid.UUID, _Slot] = {}
         self._wake = asyncio.Event()
+        self._listener: asyncpg.Connection | None = None
+        self._listen_retry_at = 0.0
         self.log = log.bind(worker_id=self.worker_id)
 
     # --- notifications ------------------------------------------------------------------------
@@ -72,32 +76,53 @@ class Worker:
             self.log.info("cancel_requested", operation_id=payload)
             slot.stop.set("cancel")
 
-    async def _listen(self, stack: AsyncExitStack) -> None:
-        """LISTEN on a dedicated connection; if it cannot be had, polling still works."""
+    async def _ensure_listener(self) -> None:
+        """(Re)open the LISTEN connection when it is missing or was closed (a database restart,
+        a terminated session). Until it is back, polling alone finds work."""
+        if self._listener is not None and not self._listener.is_closed():
+            return
+        if time.monotonic() < self._listen_retry_at:
+            return
+        reconnect = self._listener is not None
+        if reconnect:
+            await _close_quietly(self._listener)
+            self._listener = None
         try:
             conn = await db.connect(self.database_url)
-        except (OSError, asyncpg.PostgresError) as exc:
-            self.log.warning("listen_unavailable", error=str(exc))
+            await conn.add_listener(queue.NOTIFY_SUBMIT, self._on_submit)
+            await conn.add_listener(queue.NOTIFY_CANCEL, self._on_cancel)
+            # A dropped LISTEN session wakes the loop, which reopens it at once.
+            conn.add_termination_listener(self._on_submit)
+        except Exception as exc:
+            self._listen_retry_at = time.monotonic() + LISTEN_RETRY_S
+            self.log.warning("listen_unavailable", error=repr(exc))
             return
-        stack.push_async_callback(_close_quietly, conn)
-        await conn.add_listener(queue.NOTIFY_SUBMIT, self._on_submit)
-        await conn.add_listener(queue.NOTIFY_CANCEL, self._on_cancel)
+        self._listener = conn
+        if reconnect:
+            self.log.info("listen_restored")
+            # Notifications sent while we were not listening are lost: look for work now, and
+            # for cancels of running operations (their heartbeat also notices within lease/3).
+            self._wake.set()
 
     # --- the loop -----------------------------------------------------------------------------
 
     async def run(self, shutdown: asyncio.Event) -> None:
         """Claim and run operations until ``shutdown`` is set, then shut down gracefully."""
-        async with AsyncExitStack() as stack:
-            await self._listen(stack)
+        try:
+            await self._ensure_listener()
             self.log.info(
                 "worker_started",
                 concurrency=self.settings.worker_concurrency,
                 lease_s=self.settings.lease_s,
             )
             while not shutdown.is_set():
+                await self._ensure_listener()
                 await self._fill_slots()
                 await self._wait_for_work(shutdown)
             await self._drain()
+        finally:
+            if self._listener is not None:
+                await _close_quietly(self._listener)
         self.log.info("worker_stopped")
 
     async def _fill_slots(self) -> None:
@@ -105,9 +130,12 @@ class Worker:
             await self._fence_stalled_workers()
         while len(self.slots) < self.settings.worker_concurrency:
             try:
-                lease = await queue.claim(self.pool, self.worker_id, self.settings.lease_s)
-            except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-                self.log.warning("claim_failed", error=str(exc))
+                lease = await queue.claim(
+                    self.pool, self.worker_id, self.settings.lease_s, running=list(self.slots)
+                )
+            except Exception as exc:
+                # Whatever the database or driver throws, the poll loop must outlive it.
+                self.log.warning("claim_failed", error=repr(exc))
                 await asyncio.sleep(CLAIM_ERROR_BACKOFF_S)
                 return
             if lease is None:
@@ -119,8 +147,8 @@ class Worker:
             fenced = await queue.terminate_stalled_workers(
                 self.pool, self.worker_id, grace_s=self.settings.lease_s
             )
-        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
-            self.log.warning("fence_check_failed", error=str(exc))
+        except Exception as exc:
+            self.log.warning("fence_check_failed", error=repr(exc))
             return
         for worker_id in fenced:
             self.log.warning("stalled_worker_fenced", stalled_worker_id=worker_id)
@@ -142,7 +170,9 @@ class Worker:
         task.add_done_callback(functools.partial(self._finished, lease.operation_id))
 
     def _finished(self, operation_id: uuid.UUID, task: asyncio.Task[OperationEnd]) -> None:
-        self.slots.pop(operation_id, None)
+        slot = self.slots.get(operation_id)
+        if slot is not None and slot.task is task:
+            del self.slots[operation_id]
         metrics.OPERATIONS_RUNNING.dec()
         if task.cancelled():
             status = "interrupted"
@@ -159,7 +189,8 @@ class Worker:
         self._wake.set()  # a slot is free
 
     async def _wait_for_work(self, shutdown: asyncio.Event) -> None:
-        self._wake.clear()
+        """Until a wake-up, shutdown or the poll interval. A wake-up that came while the loop
+        was busy (claiming, backing off) is consumed here, not lost."""
         waiters = [asyncio.ensure_future(self._wake.wait()), asyncio.ensure_future(shutdown.wait())]
         try:
             await asyncio.wait(
@@ -170,6 +201,7 @@ class Worker:
         finally:
             for waiter in waiters:
                 waiter.cancel()
+        self._wake.clear()
 
     async def _drain(self) -> None:
         """Stop claiming; let running passes finish within the grace period, then cancel.

@@ -28,28 +28,6 @@ from tests.invariants import assert_consistent
 pytestmark = pytest.mark.acceptance
 
 
-@contextlib.contextmanager
-def known_worker_crash_is_xfail(service: ServiceProcess) -> Iterator[None]:
-    """Turn the one known bug's failure into an xfail of this run, and nothing else.
-
-    Until Worker._fill_slots survives every error a broken pooled connection can raise, the
-    worker sometimes dies on asyncpg's InternalClientError while Postgres goes away, and
-    `serve` exits 1. test_the_worker_loop_survives_a_broken_connection_error_during_a_claim
-    (tests/integration/test_db_faults.py) shows it deterministically; remove this guard with
-    that test's xfail mark.
-    """
-    try:
-        yield
-    except (AssertionError, httpx.TransportError):
-        crashed = service.proc.poll() is not None and any(
-            event.get("part") == "worker" and "InternalClientError" in str(event.get("error"))
-            for event in service.events("service_part_stopped")
-        )
-        if crashed:
-            pytest.xfail("known bug: the worker loop died on asyncpg InternalClientError")
-        raise
-
-
 def topics(count: int, per_topic: int) -> list[dict[str, Any]]:
     return [
         {"text": f"Person{t} drinks green tea every morning, note {i}", "tags": [f"topic-{t}"]}
@@ -95,35 +73,28 @@ async def test_a_worker_whose_sessions_are_terminated_mid_operation_finishes_it_
     worker = ServiceProcess("worker", tmp_path, service_env(database_url, fake.url), "--no-api")
     services.append(worker)
     terminated = 0
-    with known_worker_crash_is_xfail(worker):
-        for answered in (3, 8, 13):
-            await wait_for(
-                lambda n=answered: fake.stats()["completed"] >= n or worker.proc.poll() is not None,
-                what=f"{answered} passes to be answered",
-            )
-            terminated += await pool.fetchval(TERMINATE_WORKER_SESSIONS)
-        assert terminated >= 3
+    for answered in (3, 8, 13):
         await wait_for(
-            lambda: (
-                worker.proc.poll() is not None
-                or pool.fetchval("SELECT status = 'completed' FROM operations WHERE id = $1", op.id)
-            ),
-            timeout_s=90,
-            what="the operation to complete despite its sessions being terminated",
+            lambda n=answered: fake.stats()["completed"] >= n or worker.proc.poll() is not None,
+            what=f"{answered} passes to be answered",
         )
-        assert worker.proc.poll() is None, "the worker must survive losing its sessions"
+        terminated += await pool.fetchval(TERMINATE_WORKER_SESSIONS)
+    assert terminated >= 3
+    await wait_for(
+        lambda: (
+            worker.proc.poll() is not None
+            or pool.fetchval("SELECT status = 'completed' FROM operations WHERE id = $1", op.id)
+        ),
+        timeout_s=90,
+        what="the operation to complete despite its sessions being terminated",
+    )
+    assert worker.proc.poll() is None, "the worker must survive losing its sessions"
     census = await assert_consistent(pool)
     assert census.consolidated == 36 and census.failed == 0
     assert census.outcomes == 36 and census.sources == 36
     assert census.observations == 6  # one per topic: no duplicate
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="worker.Worker._listen LISTENs once at start-up and never again: after its LISTEN "
-    "session is lost (database restart, terminated backend) submits and cancels no longer "
-    "wake the worker; only polling and the heartbeat notice them",
-)
 async def test_an_idle_worker_listens_again_after_its_listen_session_is_terminated(
     pool: asyncpg.Pool,
     database_url: str,
@@ -226,8 +197,7 @@ async def test_postgres_restarted_mid_operation_the_api_says_503_and_everything_
     service = ServiceProcess("service", tmp_path, service_env(private_pg.url, fake.url))
     services.append(service)
     base_url = await service.api_url()
-    with known_worker_crash_is_xfail(service):
-        await restart_postgres_twice_and_recover(service, private_pg, fake, base_url, op.id)
+    await restart_postgres_twice_and_recover(service, private_pg, fake, base_url, op.id)
     async with open_pool(private_pg.url) as pool:
         census = await assert_consistent(pool)
     assert census.outcomes == 32 and census.sources == 32

@@ -112,13 +112,6 @@ async def test_no_generated_request_makes_the_api_answer_5xx_or_break_its_schema
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the API accepts some requests its own schema forbids: a memory whose tags is a "
-    "falsy non-list ({}, '', 0, false) is stored as untagged (memories.parse_memory uses "
-    "`obj.get('tags') or []`), and an empty ?cursor= is taken as no cursor although the "
-    "documented pattern forbids it; see tests/integration/test_hostile_input.py",
-)
 async def test_every_generated_request_that_breaks_the_schema_is_rejected_with_a_4xx(
     api_url: str, tmp_path: Path
 ) -> None:

@@ -300,11 +300,6 @@ async def test_an_llm_answer_full_of_sql_is_stored_verbatim(
 # --- requests the published schema forbids (found by tests/fuzz) -------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="memories.parse_memory reads `obj.get('tags') or []`, so a falsy non-list tags "
-    "value is silently taken as no tags instead of being rejected",
-)
 @pytest.mark.parametrize(
     "tags", [{}, "", 0, False], ids=["object", "empty-string", "zero", "false"]
 )
@@ -318,11 +313,6 @@ async def test_tags_that_are_not_a_list_are_rejected_with_422(
     assert await pool.fetchval("SELECT count(*) FROM memories") == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="api.list_observations decodes the cursor only when truthy, so ?cursor= (empty) is "
-    "served as the first page although the published cursor pattern forbids an empty value",
-)
 async def test_an_empty_cursor_is_rejected_unless_the_schema_allows_it(
     api: httpx.AsyncClient,
 ) -> None:

@@ -123,12 +123,6 @@ async def test_5xx_past_the_retries_fails_the_attempt_marks_nothing_and_the_retr
     assert census.observations == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine.OperationRun._ask adds answer.retries to the PerfLog only on success: when a "
-    "pass fails with LLMRetriesExhausted, its retried HTTP attempts are missing from "
-    "operations.result.perf (llm_retries 0); only the error text tells",
-)
 async def test_a_pass_that_exhausts_its_retries_is_counted_in_the_stored_perf(
     pool: asyncpg.Pool, fake: FakeLLMServer
 ) -> None:

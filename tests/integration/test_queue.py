@@ -7,6 +7,7 @@ import pytest
 
 from consolidation import db, queue
 from consolidation.errors import LeaseLost
+from tests.integration.engine_helpers import wait_for
 
 
 async def expire(pool: asyncpg.Pool, lease: queue.Lease) -> None:
@@ -118,7 +119,10 @@ async def test_a_worker_frozen_inside_a_transaction_is_fenced_so_its_work_can_be
         assert await queue.claim(pool, "worker:healthy:2", 30) is None  # row skipped: locked
         fenced = await queue.terminate_stalled_workers(pool, "worker:healthy:2", grace_s=0)
         assert fenced == ["worker:frozen:1"]
-        reclaimed = await queue.claim(pool, "worker:healthy:2", 30)
-        assert reclaimed is not None and reclaimed.attempt == 2
+        # Termination is asynchronous: the row is free once the frozen session has gone.
+        reclaimed = await wait_for(
+            lambda: queue.claim(pool, "worker:healthy:2", 30), what="the reclaim"
+        )
+        assert reclaimed.attempt == 2
     finally:
         frozen_pool.terminate()
