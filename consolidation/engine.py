@@ -235,12 +235,18 @@ class OperationRun:
             async with semaphore:
                 await self._run_group(index, group, reports[index])
 
+        # Longest chain first (LPT): a long group started last would finish alone after all
+        # the others, leaving the other slots idle until the wave barrier. Stable for ties.
+        order = sorted(range(len(groups)), key=lambda i: -self._planned_calls(groups[i]))
         started = time.monotonic()
         results: list[BaseException | None] = []
         try:
-            results = await asyncio.gather(
-                *(run_group(i, g) for i, g in enumerate(groups)), return_exceptions=True
+            launched = await asyncio.gather(
+                *(run_group(i, groups[i]) for i in order), return_exceptions=True
             )
+            results = [None] * len(groups)
+            for i, result in zip(order, launched, strict=True):
+                results[i] = result
         finally:
             # Applied work stays and gets its markers, even when the wave was cancelled.
             await asyncio.shield(self._close_wave(states, reports, started))
@@ -249,6 +255,13 @@ class OperationRun:
             raise _first_error(errors)
         if self.stop.reason == "cancel":
             raise OperationCancelled("cancel requested")
+
+    def _planned_calls(self, group: Sequence[_MemoryState]) -> int:
+        """LLM calls the group makes if no answer is unusable: one per scope of each batch."""
+        return sum(
+            len({s for m in batch for s in m.todo})
+            for batch in batched(group, self.config.llm_batch_size)
+        )
 
     async def _close_wave(
         self,

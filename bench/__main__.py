@@ -1,0 +1,191 @@
+"""``python -m bench``: run the benchmark scenarios, print a table, write JSON (and the docs).
+
+python -m bench all            # every target (about 15 minutes on 2 cores); updates docs
+python -m bench all --quick    # smaller banks, fewer repeats (a few minutes)
+python -m bench efficiency|lag|throughput|rss|profile [--quick]
+python -m bench plan           # ideal times of several bank shapes, no database
+python -m bench generate N > bank.jsonl   # a bank for `consolidation ingest`
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shlex
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from bench import report, scenarios
+from bench.workload import BankShape, generate
+
+DEFAULT_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+async def _run(args: argparse.Namespace) -> dict[str, Any]:
+    sizes = scenarios.QUICK if args.quick else scenarios.FULL
+    url = args.database_url
+    results: dict[str, Any] = {
+        "command": "python -m bench " + shlex.join(sys.argv[1:]),
+        "mode": sizes.name,
+        "sizes": sizes.__dict__,
+        "machine": await report.machine(url),
+    }
+    bank = scenarios.BankOptions(args.groups, args.zipf, args.combined_only, args.wave_size)
+    results["bank"] = bank.__dict__
+    bench = scenarios.Bench(url, args.results_dir, _log)
+    started = time.perf_counter()
+    what = args.command
+    try:
+        if what in ("all", "efficiency"):
+            results["efficiency"] = await scenarios.efficiency(bench, sizes, args.loop, bank)
+        if what in ("all", "lag"):
+            results["lag"] = await scenarios.lag(bench, sizes, args.loop, bank)
+        if what in ("all", "throughput", "rss"):
+            results["throughput"] = await scenarios.throughput(bench, sizes, args.loop, bank)
+        if what in ("all", "rss"):
+            results["rss"] = await scenarios.rss(
+                bench, sizes, results["throughput"], args.loop, bank
+            )
+        if what == "profile" or (what == "all" and args.profile):
+            results["profile"] = await scenarios.profile(bench, sizes, args.loop, bank)
+        if what == "all":
+            results["plan_study"] = report.plan_study()
+            results["schedule_study"] = report.schedule_study()
+    finally:
+        await bench.close()
+    results["duration_s"] = time.perf_counter() - started
+    results["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
+    return results
+
+
+def _save(results: dict[str, Any], results_dir: Path, command: str) -> Path:
+    results_dir.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    path = results_dir / f"{command}-{stamp}.json"
+    data = orjson.dumps(results, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
+    path.write_bytes(data)
+    (results_dir / f"latest-{command}.json").write_bytes(data)
+    return path
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    results = asyncio.run(_run(args))
+    path = _save(results, args.results_dir, args.command)
+    print(report.render_table(results))
+    print(f"\nJSON: {path}")
+    write = args.docs if args.docs is not None else (args.command == "all" and not args.quick)
+    if write:
+        report.write_docs(report.render_markdown(results))
+        print(f"docs: {report.DOCS}")
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    """Render a saved result again (table, and the docs block with --docs)."""
+    results = orjson.loads(args.json.read_bytes())
+    if results.get("mode") == "full" or args.force:
+        # The shape and schedule studies are pure functions of the code, not of the run.
+        results.setdefault("plan_study", report.plan_study())
+        results.setdefault("schedule_study", report.schedule_study())
+    print(report.render_table(results))
+    if args.docs:
+        report.write_docs(report.render_markdown(results))
+        print(f"docs: {report.DOCS}")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    print(report.render_plan_study(report.plan_study(args.memories)))
+    print()
+    print(report.render_schedule_study(report.schedule_study(args.memories)))
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    shape = BankShape(memories=args.memories, groups=args.groups, zipf_s=args.zipf, seed=args.seed)
+    out = sys.stdout.buffer
+    for memory in generate(shape):
+        out.write(orjson.dumps(memory) + b"\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in (
+        ("all", "every scenario; writes docs/benchmarks.md (full mode)"),
+        ("efficiency", "P8 vs the plan's ideal time, and P1 on the same bank (speedup)"),
+        ("lag", "event-loop lag with 16 concurrent calls and 200 KB answers"),
+        ("throughput", "memories/s with a zero-latency LLM"),
+        ("rss", "peak RSS on the throughput bank and on a bank 10x larger"),
+        ("profile", "the zero-latency run under py-spy and pyinstrument"),
+    ):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--quick", action="store_true", help="smaller banks, fewer repeats")
+        p.add_argument(
+            "--database-url",
+            default=os.environ.get("BENCH_DATABASE_URL", DEFAULT_URL),
+            help="a Postgres server where bench_* databases may be created "
+            "(env BENCH_DATABASE_URL)",
+        )
+        p.add_argument("--results-dir", type=Path, default=RESULTS)
+        p.add_argument(
+            "--loop",
+            choices=("asyncio", "uvloop"),
+            default="asyncio",
+            help="event loop of the engine process (the service uses asyncio)",
+        )
+        p.add_argument(
+            "--docs",
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help="write docs/benchmarks.md (default: only for a full `all`)",
+        )
+        default = scenarios.DEFAULT_BANK
+        p.add_argument("--groups", type=int, default=default.groups, help="tag groups")
+        p.add_argument("--zipf", type=float, default=default.zipf_s, help="Zipf exponent")
+        p.add_argument(
+            "--combined-only",
+            action="store_true",
+            help="every memory in one combined scope (no per_tag, shared, … modes)",
+        )
+        p.add_argument("--wave-size", type=int, default=default.wave_size)
+        if name == "all":
+            p.add_argument("--profile", action="store_true", help="also run the profiles")
+        p.set_defaults(handler=cmd_run)
+    p = sub.add_parser("report", help="render a saved result again (and the docs block)")
+    p.add_argument("json", type=Path, nargs="?", default=RESULTS / "latest-all.json")
+    p.add_argument("--docs", action="store_true", help="rewrite the block of docs/benchmarks.md")
+    p.add_argument("--force", action="store_true", help="add the studies to a quick result too")
+    p.set_defaults(handler=cmd_report)
+    p = sub.add_parser("plan", help="ideal times of several bank shapes (no database)")
+    p.add_argument("--memories", type=int, default=1600)
+    p.set_defaults(handler=cmd_plan)
+    p = sub.add_parser("generate", help="write a bank as JSONL (for `consolidation ingest`)")
+    p.add_argument("memories", type=int)
+    p.add_argument("--groups", type=int, default=64)
+    p.add_argument("--zipf", type=float, default=0.8)
+    p.add_argument("--seed", type=int, default=BankShape(memories=0).seed)
+    p.set_defaults(handler=cmd_generate)
+    return parser
+
+
+def main() -> int:
+    args = build_parser().parse_args()
+    handler = args.handler
+    return int(handler(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

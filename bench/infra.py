@@ -1,0 +1,213 @@
+"""The benchmark's outside world: bench databases on a Postgres server and the fake LLM process.
+
+Databases are named ``bench_*``: one migrated template per bank shape (ingested once, then
+``VACUUM ANALYZE``), cloned for every run (``CREATE DATABASE … TEMPLATE``) so every run starts
+from the identical bank, and dropped at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+import httpx
+import orjson
+
+from bench.workload import BankShape, chunks
+from consolidation import db, store
+from consolidation.memories import parse_memories
+
+BANK = "bench"
+INGEST_CHUNK = 1000
+
+
+def with_database(url: str, name: str) -> str:
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(path="/" + name))
+
+
+async def _admin(url: str, *statements: str) -> None:
+    conn = await asyncpg.connect(url)
+    try:
+        for statement in statements:
+            await conn.execute(statement)
+    finally:
+        await conn.close()
+
+
+class Databases:
+    """Creates, clones and drops this benchmark's ``bench_*`` databases."""
+
+    def __init__(self, admin_url: str) -> None:
+        self.admin_url = admin_url
+        self.tag = f"{os.getpid()}_{uuid.uuid4().hex[:6]}"
+        self._templates: dict[str, str] = {}
+        self._created: list[str] = []
+
+    async def template(self, shape: BankShape, log: Any = print) -> tuple[str, float]:
+        """A migrated database holding ``shape``'s bank (made once per shape); (name, seconds)."""
+        key = shape.key()
+        if key in self._templates:
+            return self._templates[key], 0.0
+        name = f"bench_tpl_{self.tag}_{len(self._templates)}"
+        await _admin(self.admin_url, f'CREATE DATABASE "{name}"')
+        self._created.append(name)
+        url = with_database(self.admin_url, name)
+        await asyncio.to_thread(db.migrate_sync, url)
+        extra_sql = os.environ.get("BENCH_TEMPLATE_SQL")
+        if extra_sql:
+            # Schema a proposed engine change needs (with BENCH_OVERLAY), e.g. a new function.
+            await _admin(url, await asyncio.to_thread(Path(extra_sql).read_text))
+        started = time.perf_counter()
+        await ingest(url, shape, log)
+        seconds = time.perf_counter() - started
+        await _admin(url, "VACUUM ANALYZE")
+        self._templates[key] = name
+        return name, seconds
+
+    async def clone(self, template: str) -> str:
+        """A fresh copy of a template; returns its URL."""
+        name = f"bench_run_{self.tag}_{uuid.uuid4().hex[:8]}"
+        await _admin(self.admin_url, f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
+        self._created.append(name)
+        return with_database(self.admin_url, name)
+
+    async def drop(self, url_or_name: str) -> None:
+        name = urlsplit(url_or_name).path.lstrip("/") if "://" in url_or_name else url_or_name
+        await _admin(self.admin_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        if name in self._created:
+            self._created.remove(name)
+
+    async def drop_all(self) -> None:
+        for name in list(self._created):
+            await self.drop(name)
+        self._templates.clear()
+
+
+async def ingest(url: str, shape: BankShape, log: Any = print) -> None:
+    """Validate and ingest the bank in chunks (``store.ingest_memories``, one transaction each)."""
+    pool = await db.create_pool(url, min_size=1, max_size=2)
+    try:
+        done = 0
+        last = time.monotonic()
+        for chunk in chunks(shape, INGEST_CHUNK):
+            await store.ingest_memories(pool, BANK, parse_memories(chunk))
+            done += len(chunk)
+            if time.monotonic() - last > 10:
+                log(f"  ingested {done}/{shape.memories} memories")
+                last = time.monotonic()
+    finally:
+        await pool.close()
+
+
+class FakeLLM:
+    """``consolidation fake-llm`` in its own process on a free loopback port."""
+
+    def __init__(
+        self,
+        *,
+        latency_ms: float,
+        jitter_ms: float = 0.0,
+        pad_bytes: int = 0,
+        seed: int = 1,
+        log_path: Path,
+    ) -> None:
+        self.latency_ms = latency_ms
+        self.jitter_ms = jitter_ms
+        self.pad_bytes = pad_bytes
+        self.seed = seed
+        self.log_path = log_path
+        self.url = ""
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "consolidation.cli",
+            "fake-llm",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--latency-ms",
+            f"{self.latency_ms:g}",
+            "--jitter-ms",
+            f"{self.jitter_ms:g}",
+            "--pad-bytes",
+            str(self.pad_bytes),
+            "--seed",
+            str(self.seed),
+        ]
+
+    def __enter__(self) -> FakeLLM:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "CONSOLIDATION_LOG_FORMAT": "json", "CONSOLIDATION_LOG_LEVEL": "INFO"}
+        with self.log_path.open("wb") as log:
+            self._process = subprocess.Popen(
+                self.command(), stdout=log, stderr=log, env=env, stdin=subprocess.DEVNULL
+            )
+        deadline = time.monotonic() + 30
+        while not self.url:
+            if self._process.poll() is not None:
+                raise RuntimeError(f"fake-llm exited; see {self.log_path}")
+            if time.monotonic() > deadline:
+                self.__exit__(None, None, None)
+                raise RuntimeError(f"fake-llm did not start; see {self.log_path}")
+            for line in self.log_path.read_bytes().splitlines():
+                if b"fake_llm_listening" in line:
+                    self.url = orjson.loads(line)["url"]
+                    break
+            else:
+                time.sleep(0.05)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        process, self._process = self._process, None
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    @property
+    def pid(self) -> int:
+        assert self._process is not None
+        return self._process.pid
+
+    def _admin_url(self, path: str) -> str:
+        return self.url.removesuffix("/v1") + path
+
+    def reset(self) -> None:
+        httpx.post(self._admin_url("/_reset"), timeout=10).raise_for_status()
+
+    def stats(self) -> dict[str, Any]:
+        """The fake's counters (without the per-call list, which can be long)."""
+        response = httpx.get(self._admin_url("/_stats"), timeout=30)
+        response.raise_for_status()
+        data: dict[str, Any] = response.json()
+        # Time the fake spent on each call (its latency plus its own processing), as it saw it.
+        served = sorted(
+            c["ended"] - c["started"] for c in data.pop("calls", []) if c["ended"] is not None
+        )
+        data["service_ms_mean"] = 1000 * sum(served) / len(served) if served else None
+        data["service_ms_p50"] = 1000 * served[len(served) // 2] if served else None
+        return data

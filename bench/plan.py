@@ -1,0 +1,193 @@
+"""The plan the engine forms for each wave, and the ideal time of that plan.
+
+:class:`PlanTracker` sees every wave the engine fetches (the driver wraps ``store.fetch_wave``)
+and rebuilds the engine's groups and batches with the same pure functions the engine uses
+(``scopes.partition`` and ``scopes.batched``, over the same ``todo`` scopes). A batch makes one
+LLM call per scope it writes; a group runs its batches (and their passes) strictly in order, so
+a group is a chain of calls.
+
+Ideal times, with ``L`` the LLM latency and ``c`` the effective concurrency
+(``min(group parallelism, LLM max concurrent)``):
+
+- per wave (the engine's wave barriers kept): ``Σ_waves L × max(ceil(calls_w / c), chain_w)``
+  where ``chain_w`` is the wave's longest group chain;
+- without wave barriers: ``L × max(ceil(Σ calls / c), longest chain over the whole run)``, where
+  groups of different waves that share a scope (transitively) form one chain, because their
+  passes must still run in order.
+
+Only the LLM time counts: database work, JSON and Python are the engine's overhead, which is
+what efficiency = ideal / measured exposes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from consolidation.scopes import Scope, batched, partition
+
+
+@dataclass
+class WavePlan:
+    """One wave as the engine plans it, and when it ran."""
+
+    index: int
+    memories: int
+    groups: int
+    batches: int
+    calls: int
+    longest_chain: int
+    longest_scope_chain: int
+    started: float
+    ended: float | None = None
+    statements: dict[str, int] = field(default_factory=dict)
+    chains: list[int] = field(default_factory=list)  # calls of each group, in engine order
+
+    def ideal_s(self, latency_s: float, concurrency: int) -> float:
+        return latency_s * max(math.ceil(self.calls / concurrency), self.longest_chain)
+
+    def to_json(self, latency_s: float, concurrency: int) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "memories": self.memories,
+            "groups": self.groups,
+            "batches": self.batches,
+            "calls": self.calls,
+            "longest_chain": self.longest_chain,
+            "longest_scope_chain": self.longest_scope_chain,
+            "seconds": None if self.ended is None else round(self.ended - self.started, 6),
+            "ideal_s": round(self.ideal_s(latency_s, concurrency), 6),
+            "statements": dict(sorted(self.statements.items())),
+        }
+
+
+class _Chains:
+    """Union-find over scopes across the whole run, summing the calls of each component."""
+
+    def __init__(self) -> None:
+        self.parent: dict[Scope, Scope] = {}
+        self.calls: dict[Scope, int] = {}
+
+    def find(self, scope: Scope) -> Scope:
+        parent = self.parent.setdefault(scope, scope)
+        if parent == scope:
+            self.calls.setdefault(scope, 0)
+            return scope
+        root = self.find(parent)
+        self.parent[scope] = root
+        return root
+
+    def add(self, scopes: Sequence[Scope], calls: int) -> None:
+        roots = {self.find(s) for s in scopes}
+        root = roots.pop()
+        for other in roots:
+            self.parent[other] = root
+            self.calls[root] += self.calls.pop(other)
+        self.calls[root] += calls
+
+    def longest(self) -> int:
+        return max(self.calls.values(), default=0)
+
+
+class PlanTracker:
+    """Plans every wave the engine fetches; memory use does not grow with the bank."""
+
+    def __init__(self, batch_size: int, keep_chains: bool = False) -> None:
+        self.batch_size = batch_size
+        self.keep_chains = keep_chains  # per-group call counts, for the schedule model only
+        self.waves: list[WavePlan] = []
+        self._chains = _Chains()
+
+    @property
+    def current(self) -> WavePlan | None:
+        return self.waves[-1] if self.waves else None
+
+    def add_wave(self, wave: Sequence[Any], started: float | None = None) -> WavePlan:
+        """Plan ``wave`` (``store.WaveMemory`` items) exactly as ``OperationRun._run_wave`` does."""
+        now = time.monotonic() if started is None else started
+        if self.waves and self.waves[-1].ended is None:
+            self.waves[-1].ended = now
+        todo = [
+            (m, tuple(s for s in m.scopes if s not in m.journaled)) for m in wave
+        ]  # no scope filter: the benchmark consolidates whole banks
+        items = [t for t in todo if t[1]]
+        groups = partition(items, lambda t: t[1])
+        calls = batches = longest = longest_scope = 0
+        per_scope: dict[Scope, int] = {}
+        chains: list[int] = []
+        for group in groups:
+            chain = 0
+            group_scopes: set[Scope] = set()
+            for batch in batched(group, self.batch_size):
+                scopes = {s for _, todo_scopes in batch for s in todo_scopes}
+                chain += len(scopes)
+                batches += 1
+                group_scopes |= scopes
+                for s in scopes:
+                    per_scope[s] = per_scope.get(s, 0) + 1
+            calls += chain
+            chains.append(chain)
+            longest = max(longest, chain)
+            self._chains.add(sorted(group_scopes), chain)
+        longest_scope = max(per_scope.values(), default=0)
+        plan = WavePlan(
+            index=len(self.waves) + 1,
+            memories=len(wave),
+            groups=len(groups),
+            batches=batches,
+            calls=calls,
+            longest_chain=longest,
+            longest_scope_chain=longest_scope,
+            started=now,
+            chains=chains if self.keep_chains else [],
+        )
+        self.waves.append(plan)
+        return plan
+
+    def close(self, ended: float | None = None) -> None:
+        """Mark the end of the last wave (the engine's final, empty fetch)."""
+        if self.waves and self.waves[-1].ended is None:
+            self.waves[-1].ended = time.monotonic() if ended is None else ended
+
+    # --- totals ---------------------------------------------------------------------------
+
+    @property
+    def calls(self) -> int:
+        return sum(w.calls for w in self.waves)
+
+    def ideal_per_wave_s(self, latency_s: float, concurrency: int) -> float:
+        return sum(w.ideal_s(latency_s, concurrency) for w in self.waves)
+
+    def ideal_no_barrier_s(self, latency_s: float, concurrency: int) -> float:
+        return latency_s * max(math.ceil(self.calls / concurrency), self._chains.longest())
+
+    def summary(self, latency_s: float, concurrency: int) -> dict[str, Any]:
+        return {
+            "waves": len(self.waves),
+            "calls": self.calls,
+            "groups": sum(w.groups for w in self.waves),
+            "batches": sum(w.batches for w in self.waves),
+            "longest_chain_per_wave_max": max((w.longest_chain for w in self.waves), default=0),
+            "longest_chain_no_barrier": self._chains.longest(),
+            "ideal_per_wave_s": round(self.ideal_per_wave_s(latency_s, concurrency), 6),
+            "ideal_no_barrier_s": round(self.ideal_no_barrier_s(latency_s, concurrency), 6),
+        }
+
+
+def simulate_wave(
+    chains: Sequence[int], slots: int, latency_s: float, overhead_s: float, order: str
+) -> float:
+    """Makespan of one wave under the engine's scheduling: groups take ``slots`` in ``order``
+    (``fifo``: the engine's order of first appearance; ``lpt``: longest chain first) and each
+    call costs ``latency_s + overhead_s``. A pure model, for what-if questions."""
+    import heapq
+
+    todo = sorted(chains, reverse=True) if order == "lpt" else list(chains)
+    free = [0.0] * slots
+    for calls in todo:
+        start = heapq.heappop(free)
+        heapq.heappush(free, start + calls * (latency_s + overhead_s))
+    return max(free, default=0.0)
