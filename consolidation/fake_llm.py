@@ -43,6 +43,7 @@ from starlette.routing import Route
 from starlette.types import Receive
 
 from consolidation import offline
+from consolidation.service import listen_socket
 
 __all__ = ["FakeLLMConfig", "FakeLLMServer", "create_app", "serve"]
 
@@ -567,19 +568,6 @@ def create_app(config: FakeLLMConfig) -> Starlette:
     return _FakeLLM(config).app
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    sock.set_inheritable(True)
-    return sock
-
-
 def _base_url(sock: socket.socket) -> str:
     host, port = sock.getsockname()[:2]
     if ":" in host:
@@ -602,7 +590,7 @@ class _Server(uvicorn.Server):
 
 def serve(host: str, port: int, config: FakeLLMConfig) -> None:
     """Serve the fake on ``host:port`` until interrupted (blocking; ``port`` 0 picks one)."""
-    sock = _bind(host, port)
+    sock = listen_socket(host, port)
     # log_config=None: the CLI has configured logging already.
     server = _Server(_FakeLLM(config), lifespan="off", timeout_graceful_shutdown=2)
     log.info(
@@ -625,7 +613,7 @@ class FakeLLMServer:
 
     def __init__(self, config: FakeLLMConfig | None = None) -> None:
         self._fake = _FakeLLM(config or FakeLLMConfig())
-        self._socket = _bind("127.0.0.1", 0)
+        self._socket = listen_socket("127.0.0.1", 0)
         self.url: str = _base_url(self._socket)
         # log_config=None: a test helper must not reconfigure the process's logging.
         self._server = _Server(self._fake, lifespan="off", timeout_graceful_shutdown=1)

@@ -34,24 +34,33 @@ class _ApiServer(uvicorn.Server):
         yield
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """Bind the API socket up front, so a busy port is a clear error and port 0 can be logged."""
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A bound, listening TCP socket (port 0 picks one); raises OSError.
+
+    Listening at once means clients that connect before uvicorn has started wait in the backlog
+    instead of being refused, so a URL logged right after this is already true.
+    """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
-    except OSError as exc:
+        sock.listen(2048)
+    except OSError:
         sock.close()
-        raise ConfigError(
-            f"cannot listen on {host}:{port} ({exc.strerror}); "
-            "set CONSOLIDATION_HTTP_HOST / CONSOLIDATION_HTTP_PORT"
-        ) from None
-    # Listen at once: clients that connect before uvicorn has started wait in the backlog
-    # instead of being refused, so "api_listening" is true when it is logged.
-    sock.listen(2048)
+        raise
     sock.set_inheritable(True)
     return sock
+
+
+def _api_socket(settings: Settings) -> socket.socket:
+    try:
+        return listen_socket(settings.http_host, settings.http_port)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot listen on {settings.http_host}:{settings.http_port} ({exc.strerror}); "
+            "set CONSOLIDATION_HTTP_HOST / CONSOLIDATION_HTTP_PORT"
+        ) from None
 
 
 async def serve(settings: Settings, *, api: bool = True, worker: bool = True) -> int:
@@ -60,7 +69,7 @@ async def serve(settings: Settings, *, api: bool = True, worker: bool = True) ->
     shutdown = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, shutdown.set)
-    sock = bind(settings.http_host, settings.http_port) if api else None
+    sock = _api_socket(settings) if api else None
     tasks: list[asyncio.Task[Any]] = []
     server: _ApiServer | None = None
     async with AsyncExitStack() as stack:

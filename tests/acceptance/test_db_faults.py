@@ -22,18 +22,10 @@ import pytest
 from consolidation import db, queue
 from consolidation.fake_llm import FakeLLMServer
 from tests.acceptance.harness import ServiceProcess
-from tests.integration.engine_helpers import ingest, wait_for
+from tests.integration.engine_helpers import ingest, topics, wait_for
 from tests.invariants import assert_consistent
 
 pytestmark = pytest.mark.acceptance
-
-
-def topics(count: int, per_topic: int) -> list[dict[str, Any]]:
-    return [
-        {"text": f"Person{t} drinks green tea every morning, note {i}", "tags": [f"topic-{t}"]}
-        for t in range(count)
-        for i in range(per_topic)
-    ]
 
 
 def service_env(database_url: str, llm_url: str, **extra: str) -> dict[str, str]:

@@ -12,17 +12,9 @@ import pytest
 from consolidation import queue
 from consolidation.fake_llm import FakeLLMServer
 from tests.acceptance.harness import ServiceProcess
-from tests.integration.engine_helpers import ingest, markers, wait_completed, wait_for
+from tests.integration.engine_helpers import ingest, markers, topics, wait_completed, wait_for
 
 pytestmark = pytest.mark.acceptance
-
-
-def topics(count: int, per_topic: int) -> list[dict[str, Any]]:
-    return [
-        {"text": f"Person{t} drinks green tea every morning, note {i}", "tags": [f"topic-{t}"]}
-        for t in range(count)
-        for i in range(per_topic)
-    ]
 
 
 def worker_env(database_url: str, llm_url: str, **extra: str) -> dict[str, str]:

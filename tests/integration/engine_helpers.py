@@ -89,3 +89,12 @@ async def wait_completed(pool: asyncpg.Pool, operation_id: Any, timeout_s: float
         timeout_s,
         what=f"operation {operation_id} to complete",
     )
+
+
+def topics(count: int, per_topic: int) -> list[dict[str, Any]]:
+    """``count`` topics (one tag each) of ``per_topic`` near-identical facts."""
+    return [
+        {"text": f"Person{t} drinks green tea every morning, note {i}", "tags": [f"topic-{t}"]}
+        for t in range(count)
+        for i in range(per_topic)
+    ]

@@ -17,17 +17,8 @@ from consolidation.engine import EngineConfig, run_operation
 from consolidation.fake_llm import FakeLLMServer
 from consolidation.settings import load_settings
 from consolidation.worker import Worker
-from tests.integration.engine_helpers import http_llm, ingest, wait_for
+from tests.integration.engine_helpers import http_llm, ingest, topics, wait_for
 from tests.invariants import assert_consistent
-
-
-def topics(count: int, per_topic: int) -> list[dict[str, Any]]:
-    return [
-        {"text": f"Person{t} drinks green tea every morning, note {i}", "tags": [f"topic-{t}"]}
-        for t in range(count)
-        for i in range(per_topic)
-    ]
-
 
 TERMINATE_OTHERS = """
 SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity
