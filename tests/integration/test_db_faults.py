@@ -26,6 +26,12 @@ WHERE datname = current_database() AND pid <> pg_backend_pid() AND application_n
 """
 
 
+BLOCKED_ON_LOCK = """
+SELECT count(*) > 0 FROM pg_stat_activity
+WHERE datname = current_database() AND application_name = $1 AND wait_event_type = 'Lock'
+"""
+
+
 async def test_sessions_terminated_during_every_stage_of_a_pass_never_duplicate_or_lose_work(
     database_url: str, pool: asyncpg.Pool, fake: FakeLLMServer
 ) -> None:
@@ -47,8 +53,21 @@ async def test_sessions_terminated_during_every_stage_of_a_pass_never_duplicate_
         while not done.is_set():
             answered = killed * 2
             await wait_for(lambda n=answered: fake.stats()["completed"] > n or done.is_set())
-            killed += 1
-            await pool.fetchval(TERMINATE_OTHERS, "engine-under-test")
+            if killed % 2:
+                # Wherever the engine happens to be (often idle between statements).
+                killed += 1
+                await pool.fetchval(TERMINATE_OTHERS, "engine-under-test")
+                continue
+            # Inside an apply: block it on the journal, then end its session, so the fault
+            # is certain to land mid-statement and not only on idle connections.
+            async with pool.acquire() as conn, conn.transaction():
+                await conn.execute("LOCK TABLE consolidation_outcomes IN EXCLUSIVE MODE")
+                await wait_for(
+                    lambda: done.is_set() or pool.fetchval(BLOCKED_ON_LOCK, "engine-under-test"),
+                    what="an apply blocked on the journal",
+                )
+                killed += 1
+                await pool.fetchval(TERMINATE_OTHERS, "engine-under-test")
 
     attempts = []
     try:
