@@ -301,6 +301,40 @@ async def test_max_concurrent_caps_requests_in_flight(
     assert stats["max_in_flight"] == 3
 
 
+def _clear_proxy_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("http_proxy", "https_proxy", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+
+
+async def test_requests_go_through_the_proxy_the_environment_names(
+    fake: FakeLLMServer, make_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _clear_proxy_env(monkeypatch)
+    monkeypatch.setenv("HTTP_PROXY", fake.url.removesuffix("/v1"))
+    # llm.invalid never resolves: only the proxy (the fake, taking the absolute-form request)
+    # can answer.
+    answer = await make_client("http://llm.invalid/v1").complete(SYSTEM, user_message("a fact"))
+    assert orjson.loads(answer.content)["creates"]
+    assert fake.stats()["completed"] == 1
+
+
+async def test_no_proxy_exempts_the_llm_host(
+    fake: FakeLLMServer, make_client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _clear_proxy_env(monkeypatch)
+    with socket.socket() as sock:  # a port nothing listens on: a proxied request would fail
+        sock.bind(("127.0.0.1", 0))
+        dead_proxy = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    monkeypatch.setenv("HTTP_PROXY", dead_proxy)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    await make_client(fake.url, max_retries=0).complete(SYSTEM, user_message("a fact"))
+    assert fake.stats()["completed"] == 1
+    monkeypatch.delenv("NO_PROXY")
+    with pytest.raises(LLMRetriesExhausted):
+        await make_client(fake.url, max_retries=0).complete(SYSTEM, user_message("a fact"))
+
+
 def test_invalid_base_url_is_a_config_error() -> None:
     with pytest.raises(LLMConfigError, match="CONSOLIDATION_LLM_BASE_URL"):
         HTTPConsolidator(base_url="127.0.0.1:8000/v1", model="m")
