@@ -7,6 +7,7 @@ several, or becomes a new observation. Every answer it returns is valid for its 
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -29,8 +30,13 @@ _STOP_WORDS_TEXT = """
 _STOP_WORDS = frozenset(_STOP_WORDS_TEXT.split())
 _WORD = re.compile(r"[^\W_]+")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+# A scope's observations come back in request after request until one of them changes, and
+# tokenizing them was most of the fake LLM's CPU. Bounded: at most this many texts of at most
+# MAX_OBSERVATION_CHARS each, with their word sets.
+_TEXT_CACHE_SIZE = 1024
 
 
+@functools.lru_cache(maxsize=_TEXT_CACHE_SIZE)
 def _tokens(text: str) -> frozenset[str]:
     words = set(_WORD.findall(text.lower()))
     return frozenset(word for word in words if len(word) > 1) - _STOP_WORDS
@@ -47,6 +53,7 @@ def similarity(a: str, b: str) -> float:
     return _overlap(_tokens(a), _tokens(b))
 
 
+@functools.lru_cache(maxsize=_TEXT_CACHE_SIZE)
 def _normalized(text: str) -> str:
     return " ".join(text.lower().split())
 
@@ -97,13 +104,16 @@ class _Entry:
     refs: list[str]  # request observation refs, the kept one first; empty for a create
     facts: list[str] = field(default_factory=list)
     touched: bool = False
-    tokens: frozenset[str] = frozenset()
-    normalized: str = ""
 
-    def set_text(self, text: str) -> None:
-        self.text = text
-        self.tokens = _tokens(text)
-        self.normalized = _normalized(text)
+    # Derived on demand (and cached by text): most texts written by the last fact of a request
+    # are never compared again.
+    @property
+    def tokens(self) -> frozenset[str]:
+        return _tokens(self.text)
+
+    @property
+    def normalized(self) -> str:
+        return _normalized(self.text)
 
     def cite(self, ref: str) -> None:
         if ref not in self.facts:
@@ -122,9 +132,7 @@ def consolidate(request: Mapping[str, Any]) -> dict[str, Any]:
     """Answer one DESIGN §3 request (the parsed user JSON) with a valid answer object."""
     working: list[_Entry] = []
     for obs in request.get("observations") or []:
-        entry = _Entry(text="", refs=[str(obs["ref"])])
-        entry.set_text(_fit(str(obs.get("text") or "")))
-        working.append(entry)
+        working.append(_Entry(text=_fit(str(obs.get("text") or "")), refs=[str(obs["ref"])]))
 
     for fact in request.get("facts") or []:
         ref, fact_text = str(fact["ref"]), " ".join(str(fact.get("text") or "").split())
@@ -144,14 +152,14 @@ def consolidate(request: Mapping[str, Any]) -> dict[str, Any]:
             for other in existing[1:]:
                 target.refs.extend(other.refs)
                 target.facts.extend(cited for cited in other.facts if cited not in target.facts)
-                target.set_text(_append(target.text, other.text))
+                target.text = _append(target.text, other.text)
                 working = [entry for entry in working if entry is not other]
         elif matches:
             target = matches[0]
         else:
             target = _Entry(text="", refs=[])
             working.append(target)
-        target.set_text(_append(target.text, fact_text))
+        target.text = _append(target.text, fact_text)
         target.cite(ref)
 
     answer: dict[str, Any] = {"creates": [], "updates": [], "merges": []}
