@@ -134,6 +134,16 @@ class _MemoryState:
 
 
 @dataclass
+class _Chain:
+    """One group's passes, in order. ``ahead`` is the recall the previous pass's apply fetched
+    for the pass expected next: usable by that pass only, and only if it is the one expected
+    (same scope, same facts). Nothing else writes a group's scopes in between: groups never
+    share a scope and a bank runs one operation at a time."""
+
+    ahead: tuple[store.RecallRequest, list[store.RecalledObservation]] | None = None
+
+
+@dataclass
 class _BatchReport:
     group: int
     number: int
@@ -318,11 +328,14 @@ class OperationRun:
     ) -> None:
         """Batches of one group run strictly in order: batch k+1 recalls what batch k wrote."""
         try:
-            for number, batch in enumerate(batched(group, self.config.llm_batch_size)):
+            batches = list(batched(group, self.config.llm_batch_size))
+            chain = _Chain()
+            for number, batch in enumerate(batches):
                 scopes = tuple(sorted({s for m in batch for s in m.todo}))
                 perf = PerfLog(memories=len(batch))
                 reports.append(_BatchReport(index, number, scopes, perf))
-                await self._run_batch(batch, perf)
+                following = batches[number + 1] if number + 1 < len(batches) else None
+                await self._run_batch(batch, perf, chain, following)
                 for state in batch:
                     action = state.action()
                     if action != "recovered":
@@ -333,16 +346,29 @@ class OperationRun:
             self._abort = True
             raise
 
-    async def _run_batch(self, batch: list[_MemoryState], perf: PerfLog) -> None:
+    async def _run_batch(
+        self,
+        batch: list[_MemoryState],
+        perf: PerfLog,
+        chain: _Chain,
+        following: list[_MemoryState] | None,
+    ) -> None:
         """One pass per scope; an unusable answer splits the batch (DESIGN §2)."""
         parts: deque[list[_MemoryState]] = deque([batch])
         while parts:
             part = parts.popleft()
-            for scope in sorted({s for m in part if not m.failed for s in m.remaining}):
+            scopes = sorted({s for m in part if not m.failed for s in m.remaining})
+            for i, scope in enumerate(scopes):
                 members = [m for m in part if not m.failed and scope in m.remaining]
+                # The pass after this one, if this one succeeds: its recall rides on our apply.
+                upcoming: store.RecallRequest | None
+                if i + 1 < len(scopes):
+                    upcoming = self._recall_request(scopes[i + 1], part)
+                else:
+                    upcoming = self._first_recall(parts[0] if parts else following)
                 self._checkpoint()
                 try:
-                    await self._run_pass(scope, members, perf)
+                    await self._run_pass(scope, members, perf, chain, upcoming)
                 except InvalidLLMOutput as exc:
                     if len(members) == 1:
                         members[0].failed = True
@@ -359,6 +385,17 @@ class OperationRun:
                     self.log.info("batch_split", scope=list(scope), size=len(part), reason=str(exc))
                     break
 
+    def _recall_request(self, scope: Scope, part: list[_MemoryState]) -> store.RecallRequest:
+        texts = tuple(m.memory.text for m in part if not m.failed and scope in m.remaining)
+        return store.RecallRequest(scope, texts, self.config.recall_limit)
+
+    def _first_recall(self, part: list[_MemoryState] | None) -> store.RecallRequest | None:
+        """The recall of the first pass ``part`` will make (None if it makes none)."""
+        if part is None:
+            return None
+        scopes = {s for m in part if not m.failed for s in m.remaining}
+        return self._recall_request(min(scopes), part) if scopes else None
+
     def _checkpoint(self) -> None:
         """Checked before every pass and every wave."""
         if self.stop.reason == "cancel":
@@ -372,17 +409,28 @@ class OperationRun:
 
     # --- passes ---------------------------------------------------------------------------
 
-    async def _run_pass(self, scope: Scope, members: list[_MemoryState], perf: PerfLog) -> None:
-        """Recall, ask the LLM (one retry on an unusable answer), apply in one transaction."""
-        started = time.monotonic()
-        recalled = await store.recall(
-            self.pool,
-            self.lease.bank_id,
-            scope,
-            [m.memory.text for m in members],
-            self.config.recall_limit,
+    async def _run_pass(
+        self,
+        scope: Scope,
+        members: list[_MemoryState],
+        perf: PerfLog,
+        chain: _Chain,
+        upcoming: store.RecallRequest | None,
+    ) -> None:
+        """Recall (unless the previous apply brought it), ask the LLM (one retry on an unusable
+        answer), apply in one transaction — fetching ``upcoming``'s recall on the way."""
+        wanted = store.RecallRequest(
+            scope, tuple(m.memory.text for m in members), self.config.recall_limit
         )
-        perf.recall_s += time.monotonic() - started
+        ahead, chain.ahead = chain.ahead, None
+        if ahead is not None and ahead[0] == wanted:
+            recalled = ahead[1]
+        else:
+            started = time.monotonic()
+            recalled = await store.recall(
+                self.pool, self.lease.bank_id, scope, wanted.fact_texts, wanted.limit
+            )
+            perf.recall_s += time.monotonic() - started
         request = build_request(
             self.lease.bank_id,
             scope,
@@ -398,8 +446,11 @@ class OperationRun:
                 plan = await self._ask(request, perf)
                 started = time.monotonic()
                 try:
-                    await store.apply_pass(
-                        self.pool, self.lease, _pass_write(self.lease, scope, members, plan)
+                    fetched = await store.apply_pass(
+                        self.pool,
+                        self.lease,
+                        _pass_write(self.lease, scope, members, plan),
+                        upcoming,
                     )
                 except store.StaleObservation as exc:
                     raise InvalidLLMOutput(str(exc)) from exc
@@ -413,6 +464,8 @@ class OperationRun:
                 continue
             for m in members:
                 m.applied[scope] = _action_of(m.memory.id, plan)
+            if upcoming is not None and fetched is not None:
+                chain.ahead = (upcoming, fetched)
             return
 
     async def _ask(self, request: PassRequest, perf: PerfLog) -> PassPlan:

@@ -285,32 +285,12 @@ class RecalledObservation:
 
 
 # Full-text relevance to the batch's facts first (an OR of their lexemes), then the most
-# recently updated observations of the scope, capped at $3 in all.
-RECALL = """
-WITH q AS (
-    SELECT NULLIF(array_to_string(ARRAY(
-               SELECT quote_literal(l)
-               FROM unnest(tsvector_to_array(to_tsvector('english'::regconfig, $4))) AS l),
-           ' | '), '')::tsquery AS query
-), ranked AS (
-    SELECT o.id, o.text, o.updated_at, ts_rank(o.search, q.query) AS rank
-    FROM observations o, q
-    WHERE q.query IS NOT NULL AND o.search @@ q.query AND o.bank_id = $1 AND o.scope = $2
-    ORDER BY rank DESC, o.updated_at DESC
-    LIMIT $3
-), recent AS (
-    SELECT o.id, o.text, o.updated_at, -1::real AS rank
-    FROM observations o
-    WHERE o.bank_id = $1 AND o.scope = $2 AND o.id NOT IN (SELECT id FROM ranked)
-    ORDER BY o.updated_at DESC
-    LIMIT $3
+# recently updated observations of the scope, capped at $3 in all. The query lives in
+# migrations/versions/0003_recall_with_apply.py, shared by the two ways a pass gets its
+# observations: this statement, and the apply of the group's previous pass (APPLY_PASS).
+RECALL = (
+    "SELECT obs_id, obs_text, obs_updated_at, obs_sources FROM consolidation_recall($1, $2, $3, $4)"
 )
-SELECT c.id, c.text, c.updated_at,
-       (SELECT count(*) FROM observation_sources s WHERE s.observation_id = c.id) AS sources
-FROM (SELECT * FROM ranked UNION ALL SELECT * FROM recent) AS c
-ORDER BY c.rank DESC, c.updated_at DESC
-LIMIT $3
-"""
 
 
 async def recall(
@@ -324,9 +304,20 @@ async def recall(
     if limit <= 0:
         return []
     rows = await conn.fetch(RECALL, bank_id, list(scope), limit, "\n".join(fact_texts))
-    return [
-        RecalledObservation(r["id"], r["text"], int(r["sources"]), r["updated_at"]) for r in rows
-    ]
+    return _recalled(rows)
+
+
+def _recalled(rows: Sequence[asyncpg.Record]) -> list[RecalledObservation]:
+    return [RecalledObservation(r[0], r[1], int(r[3]), r[2]) for r in rows]
+
+
+@dataclass(frozen=True)
+class RecallRequest:
+    """What a pass recalls by: its scope and its facts' texts (DESIGN §2, Recall)."""
+
+    scope: Scope
+    fact_texts: tuple[str, ...]
+    limit: int
 
 
 @dataclass(frozen=True)
@@ -361,15 +352,22 @@ class StaleObservation(Exception):
     """An observation the answer refers to is gone or not in the pass's bank and scope."""
 
 
-# The statements of a pass live in migrations/versions/0002_apply_pass_function.py: one round
-# trip, one implicit transaction, fenced first.
-APPLY_PASS = "SELECT consolidation_apply_pass($1::jsonb)"
+# The statements of a pass live in migrations/versions/0002_apply_pass_function.py (the writes)
+# and 0003_recall_with_apply.py (the next pass's recall): one round trip, one implicit
+# transaction, fenced first.
+APPLY_PASS = (
+    "SELECT obs_id, obs_text, obs_updated_at, obs_sources"
+    " FROM consolidation_apply_pass_then_recall($1::jsonb, $2, $3, $4)"
+)
 FENCE_LOST = "CN001"
 NOT_IN_SCOPE = "CN002"
 
 
-async def apply_pass(pool: asyncpg.Pool, lease: Lease, write: PassWrite) -> None:
-    """Apply one pass in ONE transaction that first checks the operation's fence.
+async def apply_pass(
+    pool: asyncpg.Pool, lease: Lease, write: PassWrite, recall_next: RecallRequest | None = None
+) -> list[RecalledObservation] | None:
+    """Apply one pass in ONE transaction that first checks the operation's fence; with
+    ``recall_next``, also return that recall as it stands after this pass's writes.
 
     Raises LeaseLost (nothing written) or StaleObservation (nothing written).
     """
@@ -386,14 +384,21 @@ async def apply_pass(pool: asyncpg.Pool, lease: Lease, write: PassWrite) -> None
             for o in write.outcomes
         ],
     }
+    if recall_next is None or recall_next.limit <= 0:
+        args: tuple[Any, ...] = (None, 0, None)
+    else:
+        args = (list(recall_next.scope), recall_next.limit, "\n".join(recall_next.fact_texts))
     try:
-        await pool.execute(APPLY_PASS, payload)
+        rows = await pool.fetch(APPLY_PASS, payload, *args)
     except asyncpg.PostgresError as exc:
         if exc.sqlstate == FENCE_LOST:
             raise LeaseLost(str(exc)) from None
         if exc.sqlstate == NOT_IN_SCOPE:
             raise StaleObservation(str(exc)) from None
         raise
+    if recall_next is None:
+        return None
+    return _recalled(rows)
 
 
 def _observation_json(write: ObservationWrite) -> dict[str, Any]:

@@ -149,6 +149,45 @@ async def test_the_markers_of_a_wave_are_written_by_one_statement(
     assert all(s.strip() == store.COMMIT_MARKER.strip() for s in marker_writes)
 
 
+async def test_a_pass_gets_its_recall_from_the_previous_apply_of_its_group(
+    database_url: str, fake: FakeLLMServer
+) -> None:
+    statements: list[str] = []
+
+    async def init(conn: asyncpg.Connection) -> None:
+        await db._init_connection(conn)
+        conn.add_query_logger(lambda record: statements.append(record.query))
+
+    pool = await asyncpg.create_pool(database_url, init=init, min_size=1, max_size=10)
+    try:
+        # One group: per_tag writes two scopes, so each batch makes two passes (2 x 4 in all).
+        ids = await ingest(
+            pool, "b", topic("Alice", 10, ["alice", "tea"], observation_scopes="per_tag")
+        )
+        statements.clear()
+        llm = http_llm(fake.url)
+        try:
+            end = await consolidate(pool, "b", llm, EngineConfig(llm_batch_size=3))
+        finally:
+            await llm.aclose()
+        by_scope = await observations_by_scope(pool, "b")
+        sources = await pool.fetch(
+            "SELECT o.scope, array_agg(s.memory_id) AS memories FROM observations o"
+            " JOIN observation_sources s ON s.observation_id = o.id GROUP BY o.scope"
+        )
+    finally:
+        await pool.close()
+    assert end.status == "completed", end.error
+    assert fake.stats()["requests"] == 8
+    # Only the group's first pass recalls on its own; the seven others got theirs from the
+    # apply before them, in the same statement.
+    assert statements.count(store.RECALL) == 1
+    assert statements.count(store.APPLY_PASS) == 8
+    # And what they got was current: every later batch found the observation of its scope.
+    assert {scope: len(texts) for scope, texts in by_scope.items()} == {("alice",): 1, ("tea",): 1}
+    assert all(set(r["memories"]) == set(ids) for r in sources)
+
+
 @pytest.mark.parametrize(
     ("tags", "mode", "expected"),
     [
