@@ -142,9 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--results-dir", type=Path, default=RESULTS)
         p.add_argument(
             "--loop",
-            choices=("asyncio", "uvloop"),
-            default="asyncio",
-            help="event loop of the engine process (the service uses asyncio)",
+            choices=("auto", "asyncio", "uvloop"),
+            default="auto",
+            help="event loop of the engine process, as CONSOLIDATION_EVENT_LOOP (auto: uvloop "
+            "when installed, as the service)",
         )
         p.add_argument(
             "--docs",

@@ -29,7 +29,7 @@ import asyncpg
 import orjson
 
 from bench.plan import PlanTracker
-from consolidation import db, queue, store
+from consolidation import db, queue, runtime, store
 from consolidation.engine import EngineConfig, run_operation
 from consolidation.llm import HTTPConsolidator
 from consolidation.logs import configure_logging
@@ -54,7 +54,7 @@ class RunSpec:
     profile: str | None = None
     profile_out: str | None = None
     log_level: str = "INFO"
-    loop: str = "asyncio"  # or "uvloop" (an experiment: the service runs on asyncio's loop)
+    loop: str = "auto"  # CONSOLIDATION_EVENT_LOOP: auto (as the service), uvloop or asyncio
     # Time every event-loop callback and report the slowest (diagnoses lag; costs ~1 µs each).
     trace_callbacks: bool = False
 
@@ -371,18 +371,14 @@ async def run(spec: RunSpec) -> dict[str, Any]:
         "rss_before_mb": rss_before,
         "peak_rss_mb": _peak_rss_mb(),
         "python": sys.version.split()[0],
+        "event_loop": runtime.event_loop_name(spec.loop),
     }
 
 
 def main() -> None:
     spec = RunSpec(**orjson.loads(sys.stdin.buffer.read()))
     configure_logging("json", spec.log_level)
-    if spec.loop == "uvloop":
-        import uvloop
-
-        result = uvloop.run(run(spec))
-    else:
-        result = asyncio.run(run(spec))
+    result = runtime.run(run(spec), spec.loop)
     # A file rather than stdout: a profiler wrapping this process may print on stdout.
     Path(sys.argv[1]).write_bytes(orjson.dumps(result))
 

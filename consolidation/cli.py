@@ -16,7 +16,7 @@ from typing import NoReturn
 import orjson
 import structlog
 
-from consolidation import db
+from consolidation import db, runtime
 from consolidation.engine import RunSummary
 from consolidation.errors import ConfigError, ConsolidationError, ValidationError
 from consolidation.logs import configure_logging
@@ -107,7 +107,7 @@ def cmd_ingest(args: argparse.Namespace, settings: Settings) -> int:
     if problems:
         raise CLIError(problems[0])
     memories = read_memories_file(args.bank, args.file)
-    total, inserted = asyncio.run(_ingest(settings, args.bank, memories))
+    total, inserted = runtime.run(_ingest(settings, args.bank, memories), settings.event_loop)
     print(
         f"ingested {total} memories into bank {args.bank!r} "
         f"({inserted} new, {total - inserted} already present)"
@@ -208,7 +208,7 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
     if problems:
         raise CLIError(problems[0])
     bar = ProgressBar(enabled=sys.stderr.isatty() and not args.json)
-    op = asyncio.run(_replay(settings, args.bank, args.reset, bar))
+    op = runtime.run(_replay(settings, args.bank, args.reset, bar), settings.event_loop)
     if args.json:
         sys.stdout.write(orjson.dumps(op.to_json(), option=orjson.OPT_INDENT_2).decode() + "\n")
     else:
@@ -224,7 +224,9 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
 
     if args.no_api and args.no_worker:
         raise CLIError("--no-api and --no-worker together leave nothing to run")
-    return asyncio.run(serve(settings, api=not args.no_api, worker=not args.no_worker))
+    return runtime.run(
+        serve(settings, api=not args.no_api, worker=not args.no_worker), settings.event_loop
+    )
 
 
 def cmd_fake_llm(args: argparse.Namespace, settings: Settings) -> int:

@@ -3,20 +3,56 @@ verbs and the service so both run on identical parts."""
 
 from __future__ import annotations
 
+import asyncio
+import importlib.util
 import os
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import asyncpg
 import structlog
 
 from consolidation import db
+from consolidation.errors import ConfigError
 from consolidation.llm import Consolidator, HTTPConsolidator, OfflineConsolidator
 from consolidation.settings import Settings
 
 log = structlog.get_logger(__name__)
+
+T = TypeVar("T")
+
+
+def event_loop_name(choice: str) -> str:
+    """The loop ``CONSOLIDATION_EVENT_LOOP`` asks for: ``uvloop`` or ``asyncio``."""
+    if choice == "auto":
+        return "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+    if choice == "uvloop" and importlib.util.find_spec("uvloop") is None:
+        raise ConfigError(
+            "CONSOLIDATION_EVENT_LOOP=uvloop but uvloop is not installed: pip install uvloop, "
+            "or set it to auto or asyncio"
+        )
+    return choice
+
+
+def run(main: Coroutine[Any, Any, T], choice: str = "auto") -> T:
+    """Run ``main`` to completion on a new event loop of the chosen kind.
+
+    uvloop is the default where it is installed (every platform but Windows): the benchmark
+    measured 5-10 % less engine CPU on it, the event loop being a fifth of the engine's CPU.
+    """
+    try:
+        name = event_loop_name(choice)
+    except ConfigError:
+        main.close()
+        raise
+    if name == "uvloop":
+        import uvloop
+
+        return uvloop.run(main)
+    return asyncio.run(main)
 
 
 def build_consolidator(settings: Settings) -> Consolidator:

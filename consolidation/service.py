@@ -101,7 +101,8 @@ async def serve(settings: Settings, *, api: bool = True, worker: bool = True) ->
             log.info(
                 "api_listening", url=f"http://{host}:{port}", docs=f"http://{host}:{port}/docs"
             )
-        log.info("service_started", api=api, worker=worker)
+        loop_kind = type(asyncio.get_running_loop()).__module__.split(".")[0]
+        log.info("service_started", api=api, worker=worker, event_loop=loop_kind)
 
         stopper = asyncio.create_task(shutdown.wait())
         done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)

@@ -62,6 +62,9 @@ class Settings(BaseSettings):
         default=None, description="json or console; unset picks console on a terminal."
     )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
+        default="auto", description="auto uses uvloop when it is installed, else asyncio."
+    )
 
     @field_validator("log_level", mode="before")
     @classmethod

@@ -35,6 +35,7 @@ def test_environment_overrides_defaults(monkeypatch: pytest.MonkeyPatch) -> None
         ("CONSOLIDATION_DATABASE_URL", "mysql://x"),
         ("CONSOLIDATION_LOG_FORMAT", "xml"),
         ("CONSOLIDATION_LEASE_S", "-1"),
+        ("CONSOLIDATION_EVENT_LOOP", "trio"),
     ],
 )
 def test_a_bad_value_raises_a_one_line_error_naming_the_variable(

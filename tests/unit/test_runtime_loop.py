@@ -1,0 +1,39 @@
+"""Which event loop the CLI verbs and the service run on (CONSOLIDATION_EVENT_LOOP)."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+
+import pytest
+
+from consolidation import runtime
+from consolidation.errors import ConfigError
+
+
+async def _loop_module() -> str:
+    return type(asyncio.get_running_loop()).__module__.split(".")[0]
+
+
+def test_auto_runs_on_uvloop_when_it_is_installed() -> None:
+    # uvloop is a dependency on every platform CI runs on, so auto must pick it here.
+    assert importlib.util.find_spec("uvloop") is not None
+    assert runtime.run(_loop_module(), "auto") == "uvloop"
+
+
+def test_asyncio_can_be_forced() -> None:
+    assert runtime.run(_loop_module(), "asyncio") == "asyncio"
+
+
+def test_asking_for_a_missing_uvloop_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *args: None if name == "uvloop" else real_find_spec(name, *args),
+    )
+    assert runtime.event_loop_name("auto") == "asyncio"
+    coro = _loop_module()
+    with pytest.raises(ConfigError, match="CONSOLIDATION_EVENT_LOOP=uvloop"):
+        runtime.run(coro, "uvloop")
+    assert coro.cr_frame is None  # closed, not left to warn "never awaited"
