@@ -13,7 +13,8 @@ from typing import Any
 
 # First matching rule wins; checked against the frame's file path.
 CATEGORIES: tuple[tuple[str, str], ...] = (
-    ("httpx/httpcore/h11/anyio (LLM HTTP client)", r"(httpx|httpcore|h11|anyio|sniffio)/"),
+    ("aiohttp/yarl/multidict (LLM HTTP client)", r"(aiohttp|yarl|multidict|aiohappyeyeballs)/"),
+    ("httpx/httpcore/h11/anyio", r"(httpx|httpcore|h11|anyio|sniffio)/"),
     ("asyncpg (database driver)", r"asyncpg/"),
     ("structlog/logging", r"(structlog|logging)/"),
     ("prometheus_client", r"prometheus_client/"),
@@ -22,7 +23,7 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
     ("consolidation.store", r"consolidation/store\.py"),
     ("consolidation.engine", r"consolidation/engine\.py"),
     ("consolidation (other)", r"consolidation/"),
-    ("asyncio event loop", r"asyncio/|selectors\.py"),
+    ("event loop (uvloop or asyncio)", r"asyncio/|selectors\.py|uvloop/"),
 )
 _FRAME = re.compile(r"^(?P<func>.*?) \((?P<file>[^:()]*?)(?::(?P<line>\d+))?\)$")
 
