@@ -181,8 +181,9 @@ def simulate_wave(
     chains: Sequence[int], slots: int, latency_s: float, overhead_s: float, order: str
 ) -> float:
     """Makespan of one wave under the engine's scheduling: groups take ``slots`` in ``order``
-    (``fifo``: the engine's order of first appearance; ``lpt``: longest chain first) and each
-    call costs ``latency_s + overhead_s``. A pure model, for what-if questions."""
+    (``fifo``: order of first appearance, the engine before b173dbf; ``lpt``: longest chain
+    first, the engine now) and each call costs ``latency_s + overhead_s``. A pure model, for
+    what-if questions."""
     import heapq
 
     todo = sorted(chains, reverse=True) if order == "lpt" else list(chains)

@@ -136,7 +136,10 @@ def render_schedule_study(rows: list[dict[str, Any]]) -> str:
         "| order groups take the 8 slots | 0 ms overhead per call | 5 ms | 10 ms | 20 ms |",
         "|---|---:|---:|---:|---:|",
     ]
-    names = {"fifo": "first memory first (the engine today)", "lpt": "longest chain first"}
+    names = {
+        "fifo": "first memory first (before b173dbf)",
+        "lpt": "longest chain first (the engine)",
+    }
     for r in rows:
         lines.append(
             f"| {names[r['order']]} | {r['0ms']:.3f} | {r['5ms']:.3f} | {r['10ms']:.3f} "
