@@ -6,7 +6,7 @@ import asyncio
 
 import asyncpg
 
-from consolidation import db
+from consolidation import db, store
 
 TABLES = {
     "banks",
@@ -84,3 +84,30 @@ async def test_database_allows_one_running_and_one_unscoped_pending_operation_pe
     # Scoped pending operations are not de-duplicated by the index.
     await pool.execute(insert, "pending", [["x"]])
     await pool.execute(insert, "pending", [["x"]])
+
+
+async def test_recall_keeps_using_the_keys_as_tables_grow_past_their_statistics(
+    pool: asyncpg.Pool,
+) -> None:
+    # A new database: the tables were analyzed empty. A session's cached plan for the recall is
+    # made on the first calls, while the scope is still small; it must not be a sequential scan
+    # that the session then keeps while the tables grow (autovacuum analyzes a minute later).
+    await pool.execute("ANALYZE observations; ANALYZE observation_sources")
+    await pool.execute("INSERT INTO banks (id) VALUES ('b')")
+    seq_scans = """SELECT coalesce(sum(seq_scan), 0) FROM pg_stat_user_tables
+                   WHERE relname IN ('observations', 'observation_sources')"""
+    async with pool.acquire() as conn:
+        for _ in range(8):  # past plpgsql's five custom plans: the generic plan is cached now
+            await conn.fetch(store.RECALL, "b", ["s"], 20, "tea every morning")
+        await conn.execute(
+            """INSERT INTO observations (id, bank_id, scope, text)
+               SELECT gen_random_uuid(), 'b', ARRAY['s'], 'note ' || i || ' about coffee'
+               FROM generate_series(1, 2000) AS i"""
+        )
+        await conn.execute("SELECT pg_stat_force_next_flush()")
+        before = await conn.fetchval(seq_scans)
+        rows = await conn.fetch(store.RECALL, "b", ["s"], 20, "tea every morning")
+        await conn.execute("SELECT pg_stat_force_next_flush()")
+        after = await conn.fetchval(seq_scans)
+    assert len(rows) == 20
+    assert after == before
