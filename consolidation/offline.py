@@ -79,10 +79,14 @@ def _fit(text: str) -> str:
     if len(text) <= MAX_OBSERVATION_CHARS:
         return text
     sentences = _SENTENCE_END.split(text)
-    while len(sentences) > 1 and len(" ".join(sentences)) > MAX_OBSERVATION_CHARS:
-        sentences.pop(0)
+    # len(" ".join(sentences[start:])), kept up to date instead of joining again per sentence.
+    length = sum(map(len, sentences)) + len(sentences) - 1
+    start = 0
+    while len(sentences) - start > 1 and length > MAX_OBSERVATION_CHARS:
+        length -= len(sentences[start]) + 1
+        start += 1
     # A single sentence over the limit keeps its beginning, which reads better than its end.
-    return " ".join(sentences)[:MAX_OBSERVATION_CHARS].strip()
+    return " ".join(sentences[start:])[:MAX_OBSERVATION_CHARS].strip()
 
 
 def _append(text: str, addition: str) -> str:
