@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
@@ -123,9 +125,9 @@ async def test_a_401_fails_the_operation_at_once_with_a_clear_message(
     assert await markers(pool, "b") == {"consolidated": 0, "failed": 0, "pending": 4}
 
 
-async def test_the_markers_of_a_wave_are_written_by_one_statement(
-    database_url: str, fake: FakeLLMServer
-) -> None:
+@contextlib.asynccontextmanager
+async def logged_pool(database_url: str) -> AsyncIterator[tuple[asyncpg.Pool, list[str]]]:
+    """A pool whose connections append every statement they run to the list it yields."""
     statements: list[str] = []
 
     async def init(conn: asyncpg.Connection) -> None:
@@ -134,6 +136,15 @@ async def test_the_markers_of_a_wave_are_written_by_one_statement(
 
     pool = await asyncpg.create_pool(database_url, init=init, min_size=1, max_size=10)
     try:
+        yield pool, statements
+    finally:
+        await pool.close()
+
+
+async def test_the_markers_of_a_wave_are_written_by_one_statement(
+    database_url: str, fake: FakeLLMServer
+) -> None:
+    async with logged_pool(database_url) as (pool, statements):
         await ingest(pool, "b", [m for g in range(5) for m in topic(f"P{g}", 6, [f"t{g}"])])
         statements.clear()
         llm = http_llm(fake.url)
@@ -141,8 +152,6 @@ async def test_the_markers_of_a_wave_are_written_by_one_statement(
             end = await consolidate(pool, "b", llm, EngineConfig(wave_size=10, llm_batch_size=4))
         finally:
             await llm.aclose()
-    finally:
-        await pool.close()
     assert end.status == "completed" and end.summary.waves == 3
     marker_writes = [s for s in statements if "consolidated_at =" in s]
     assert len(marker_writes) == 3  # one executemany per wave, whatever the wave's size
@@ -152,14 +161,7 @@ async def test_the_markers_of_a_wave_are_written_by_one_statement(
 async def test_a_pass_gets_its_recall_from_the_previous_apply_of_its_group(
     database_url: str, fake: FakeLLMServer
 ) -> None:
-    statements: list[str] = []
-
-    async def init(conn: asyncpg.Connection) -> None:
-        await db._init_connection(conn)
-        conn.add_query_logger(lambda record: statements.append(record.query))
-
-    pool = await asyncpg.create_pool(database_url, init=init, min_size=1, max_size=10)
-    try:
+    async with logged_pool(database_url) as (pool, statements):
         # One group: per_tag writes two scopes, so each batch makes two passes (2 x 4 in all).
         ids = await ingest(
             pool, "b", topic("Alice", 10, ["alice", "tea"], observation_scopes="per_tag")
@@ -175,8 +177,6 @@ async def test_a_pass_gets_its_recall_from_the_previous_apply_of_its_group(
             "SELECT o.scope, array_agg(s.memory_id) AS memories FROM observations o"
             " JOIN observation_sources s ON s.observation_id = o.id GROUP BY o.scope"
         )
-    finally:
-        await pool.close()
     assert end.status == "completed", end.error
     assert fake.stats()["requests"] == 8
     # Only the group's first pass recalls on its own; the seven others got theirs from the
