@@ -357,13 +357,15 @@ class OperationRun:
         parts: deque[list[_MemoryState]] = deque([batch])
         while parts:
             part = parts.popleft()
-            scopes = sorted({s for m in part if not m.failed for s in m.remaining})
+            scopes = _pass_scopes(part)
             for i, scope in enumerate(scopes):
-                members = [m for m in part if not m.failed and scope in m.remaining]
+                members = _pass_members(part, scope)
                 # The pass after this one, if this one succeeds: its recall rides on our apply.
                 upcoming: store.RecallRequest | None
                 if i + 1 < len(scopes):
-                    upcoming = self._recall_request(scopes[i + 1], part)
+                    upcoming = self._recall_request(
+                        scopes[i + 1], _pass_members(part, scopes[i + 1])
+                    )
                 else:
                     upcoming = self._first_recall(parts[0] if parts else following)
                 self._checkpoint()
@@ -385,16 +387,16 @@ class OperationRun:
                     self.log.info("batch_split", scope=list(scope), size=len(part), reason=str(exc))
                     break
 
-    def _recall_request(self, scope: Scope, part: list[_MemoryState]) -> store.RecallRequest:
-        texts = tuple(m.memory.text for m in part if not m.failed and scope in m.remaining)
+    def _recall_request(self, scope: Scope, members: list[_MemoryState]) -> store.RecallRequest:
+        texts = tuple(m.memory.text for m in members)
         return store.RecallRequest(scope, texts, self.config.recall_limit)
 
     def _first_recall(self, part: list[_MemoryState] | None) -> store.RecallRequest | None:
         """The recall of the first pass ``part`` will make (None if it makes none)."""
         if part is None:
             return None
-        scopes = {s for m in part if not m.failed for s in m.remaining}
-        return self._recall_request(min(scopes), part) if scopes else None
+        scopes = _pass_scopes(part)
+        return self._recall_request(scopes[0], _pass_members(part, scopes[0])) if scopes else None
 
     def _checkpoint(self) -> None:
         """Checked before every pass and every wave."""
@@ -419,9 +421,7 @@ class OperationRun:
     ) -> None:
         """Recall (unless the previous apply brought it), ask the LLM (one retry on an unusable
         answer), apply in one transaction — fetching ``upcoming``'s recall on the way."""
-        wanted = store.RecallRequest(
-            scope, tuple(m.memory.text for m in members), self.config.recall_limit
-        )
+        wanted = self._recall_request(scope, members)
         ahead, chain.ahead = chain.ahead, None
         if ahead is not None and ahead[0] == wanted:
             recalled = ahead[1]
@@ -484,6 +484,16 @@ class OperationRun:
         perf.prompt_tokens += answer.prompt_tokens
         perf.completion_tokens += answer.completion_tokens
         return parse_answer(answer.content, request)
+
+
+def _pass_scopes(part: Sequence[_MemoryState]) -> list[Scope]:
+    """The scopes ``part`` still makes passes for, in the order it makes them."""
+    return sorted({s for m in part if not m.failed for s in m.remaining})
+
+
+def _pass_members(part: Sequence[_MemoryState], scope: Scope) -> list[_MemoryState]:
+    """The memories of ``part`` that the pass for ``scope`` is about."""
+    return [m for m in part if not m.failed and scope in m.remaining]
 
 
 def _action_of(memory_id: uuid.UUID, plan: PassPlan) -> str:
