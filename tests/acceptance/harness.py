@@ -14,6 +14,21 @@ import orjson
 from tests.integration.engine_helpers import wait_for
 
 
+def worker_env(database_url: str, llm_url: str, **extra: str) -> dict[str, str]:
+    """Environment of a worker under test: small batches, fast polling and retries, no LLM
+    retries and no automatic consolidation on ingest; ``extra`` (full variable names) wins."""
+    return {
+        "CONSOLIDATION_DATABASE_URL": database_url,
+        "CONSOLIDATION_LLM_BASE_URL": llm_url,
+        "CONSOLIDATION_LLM_BATCH_SIZE": "2",
+        "CONSOLIDATION_LLM_MAX_RETRIES": "0",
+        "CONSOLIDATION_POLL_INTERVAL_S": "0.2",
+        "CONSOLIDATION_RETRY_BACKOFF_S": "0",
+        "CONSOLIDATION_AUTO_CONSOLIDATE": "false",
+        **extra,
+    }
+
+
 class ServiceProcess:
     """One `consolidation serve` process with its log in a file (JSON lines)."""
 

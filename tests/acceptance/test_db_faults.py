@@ -21,7 +21,7 @@ import pytest
 
 from consolidation import db, queue
 from consolidation.fake_llm import FakeLLMServer
-from tests.acceptance.harness import ServiceProcess
+from tests.acceptance.harness import ServiceProcess, worker_env
 from tests.integration.engine_helpers import ingest, topics, wait_for
 from tests.invariants import assert_consistent
 
@@ -29,19 +29,17 @@ pytestmark = pytest.mark.acceptance
 
 
 def service_env(database_url: str, llm_url: str, **extra: str) -> dict[str, str]:
-    return {
-        "CONSOLIDATION_DATABASE_URL": database_url,
-        "CONSOLIDATION_LLM_BASE_URL": llm_url,
-        "CONSOLIDATION_LLM_BATCH_SIZE": "2",
-        "CONSOLIDATION_LLM_MAX_RETRIES": "1",
-        "CONSOLIDATION_LLM_BACKOFF_BASE_S": "0.05",
-        "CONSOLIDATION_LLM_BACKOFF_MAX_S": "0.2",
-        "CONSOLIDATION_POLL_INTERVAL_S": "0.2",
-        "CONSOLIDATION_RETRY_BACKOFF_S": "0",
-        "CONSOLIDATION_LEASE_S": "2",
-        "CONSOLIDATION_AUTO_CONSOLIDATE": "false",
+    # One quick LLM retry and a short lease: database faults show up as transport trouble and
+    # stalled workers, and must be recovered from within a test's time.
+    return worker_env(
+        database_url,
+        llm_url,
+        CONSOLIDATION_LLM_MAX_RETRIES="1",
+        CONSOLIDATION_LLM_BACKOFF_BASE_S="0.05",
+        CONSOLIDATION_LLM_BACKOFF_MAX_S="0.2",
+        CONSOLIDATION_LEASE_S="2",
         **extra,
-    }
+    )
 
 
 # Sessions of workers (named after their worker id) and their LISTEN connection; never ours.

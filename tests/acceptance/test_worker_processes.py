@@ -11,23 +11,10 @@ import pytest
 
 from consolidation import queue
 from consolidation.fake_llm import FakeLLMServer
-from tests.acceptance.harness import ServiceProcess
+from tests.acceptance.harness import ServiceProcess, worker_env
 from tests.integration.engine_helpers import ingest, markers, topics, wait_completed, wait_for
 
 pytestmark = pytest.mark.acceptance
-
-
-def worker_env(database_url: str, llm_url: str, **extra: str) -> dict[str, str]:
-    return {
-        "CONSOLIDATION_DATABASE_URL": database_url,
-        "CONSOLIDATION_LLM_BASE_URL": llm_url,
-        "CONSOLIDATION_LLM_BATCH_SIZE": "2",
-        "CONSOLIDATION_LLM_MAX_RETRIES": "0",
-        "CONSOLIDATION_POLL_INTERVAL_S": "0.2",
-        "CONSOLIDATION_RETRY_BACKOFF_S": "0",
-        "CONSOLIDATION_AUTO_CONSOLIDATE": "false",
-        **extra,
-    }
 
 
 async def snapshot(pool: asyncpg.Pool) -> dict[str, Any]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -12,37 +11,20 @@ import orjson
 import pytest
 
 from consolidation.fake_llm import FakeLLMConfig, FakeLLMServer, create_app
+from tests.integration.engine_helpers import wait_for
+from tests.unit.test_llm import SYSTEM, user_message
 
 
 def chat_body(*facts: str, bank: str = "b1", scope: tuple[str, ...] = ("x",)) -> dict[str, Any]:
-    user = {
-        "bank": bank,
-        "scope": list(scope),
-        "mission": None,
-        "facts": [
-            {"ref": f"f{i}", "text": text, "tags": list(scope), "occurred_at": None}
-            for i, text in enumerate(facts, start=1)
-        ],
-        "observations": [],
-    }
     return {
         "model": "fake-model",
         "temperature": 0,
         "messages": [
-            {"role": "system", "content": "You consolidate memories."},
-            {"role": "user", "content": orjson.dumps(user).decode()},
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": user_message(*facts, bank=bank, scope=scope)},
         ],
         "response_format": {"type": "json_object"},
     }
-
-
-async def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    """Poll ``condition`` until it holds; fail after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached before the deadline")
-        await asyncio.sleep(0.005)
 
 
 @pytest.fixture
@@ -218,7 +200,7 @@ async def test_in_flight_accounting_per_scope(fake: FakeLLMServer, http: httpx.A
         asyncio.create_task(http.post("/chat/completions", json=chat_body("f", scope=scope)))
         for scope in (("a",), ("a",), ("b",))
     ]
-    await wait_until(lambda: fake.stats()["in_flight"] == 3)
+    await wait_for(lambda: fake.stats()["in_flight"] == 3)
     stats = fake.stats()
     assert stats["max_in_flight"] == 3
     assert stats["max_in_flight_per_scope"] == 2
@@ -226,7 +208,7 @@ async def test_in_flight_accounting_per_scope(fake: FakeLLMServer, http: httpx.A
     for task in requests:
         task.cancel()
     await asyncio.gather(*requests, return_exceptions=True)
-    await wait_until(lambda: fake.stats()["aborted"] == 3)
+    await wait_for(lambda: fake.stats()["aborted"] == 3)
     stats = fake.stats()
     assert stats["in_flight"] == 0
     assert (stats["completed"], stats["failed"]) == (0, 0)
@@ -239,7 +221,7 @@ async def test_client_leaving_during_latency_counts_as_aborted(
     fake.control(latency_ms=60_000)
     with pytest.raises(httpx.ReadTimeout):
         await http.post("/chat/completions", json=chat_body("a"), timeout=0.2)
-    await wait_until(lambda: fake.stats()["aborted"] == 1)
+    await wait_for(lambda: fake.stats()["aborted"] == 1)
     assert fake.stats()["in_flight"] == 0
 
 
@@ -284,7 +266,7 @@ async def test_stop_does_not_wait_forever_for_a_hanging_request() -> None:
     server.control(script=[{"hang": True}])
     async with httpx.AsyncClient(base_url=server.url) as client:
         request = asyncio.create_task(client.post("/chat/completions", json=chat_body("a")))
-        await wait_until(lambda: server.stats()["in_flight"] == 1)
+        await wait_for(lambda: server.stats()["in_flight"] == 1)
         await asyncio.to_thread(server.stop)
         response = await request
     assert response.status_code == 503

@@ -26,6 +26,7 @@ from consolidation.llm import (
     retry_delay,
 )
 from consolidation.metrics import EventLoopLagMonitor
+from tests.integration.engine_helpers import wait_for
 
 SYSTEM = "You consolidate memories."
 
@@ -43,15 +44,6 @@ def user_message(*facts: str, bank: str = "b1", scope: tuple[str, ...] = ("x",))
             "observations": [],
         }
     ).decode()
-
-
-async def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    """Poll ``condition`` until it holds; fail after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached before the deadline")
-        await asyncio.sleep(0.005)
 
 
 def metric(name: str, **labels: str) -> float:
@@ -261,7 +253,7 @@ async def test_timeout_is_transient_and_aborts_the_request(
     client = make_client(fake.url, timeout_s=0.2, max_retries=0)
     with pytest.raises(TransientLLMError, match="no answer within"):
         await client.complete(SYSTEM, user_message("a fact"))
-    await wait_until(lambda: fake.stats()["aborted"] == 1)
+    await wait_for(lambda: fake.stats()["aborted"] == 1)
 
 
 async def test_connection_refused_is_transient(make_client: Any) -> None:
@@ -279,11 +271,11 @@ async def test_cancelling_the_caller_aborts_the_http_request(
 ) -> None:
     fake.control(script=[{"hang": True}])
     task = asyncio.create_task(make_client(fake.url).complete(SYSTEM, user_message("a fact")))
-    await wait_until(lambda: fake.stats()["in_flight"] == 1)
+    await wait_for(lambda: fake.stats()["in_flight"] == 1)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await wait_until(lambda: fake.stats()["aborted"] == 1)
+    await wait_for(lambda: fake.stats()["aborted"] == 1)
     assert fake.stats()["in_flight"] == 0
 
 
@@ -391,14 +383,14 @@ def test_retry_delay_honours_retry_after_up_to_five_times_the_cap() -> None:
 
 async def test_lag_monitor_sees_a_blocked_event_loop() -> None:
     async with EventLoopLagMonitor(interval_s=0.01) as monitor:
-        await wait_until(lambda: monitor.snapshot()["samples"] >= 1)
+        await wait_for(lambda: monitor.snapshot()["samples"] >= 1)
         samples = monitor.snapshot()["samples"]
 
         async def hog() -> None:
             time.sleep(0.3)  # noqa: ASYNC251 - blocking the loop is the point
 
         await hog()
-        await wait_until(lambda: monitor.snapshot()["samples"] > samples)
+        await wait_for(lambda: monitor.snapshot()["samples"] > samples)
         snapshot = monitor.snapshot()
     assert snapshot["max_ms"] >= 250
     assert snapshot["p50_ms"] <= snapshot["p99_ms"] <= snapshot["max_ms"]
