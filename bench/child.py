@@ -30,10 +30,10 @@ import orjson
 
 from bench.plan import PlanTracker
 from consolidation import db, queue, runtime, store
-from consolidation.engine import EngineConfig, run_operation
-from consolidation.llm import HTTPConsolidator
+from consolidation.engine import run_operation
 from consolidation.logs import configure_logging
 from consolidation.metrics import EventLoopLagMonitor
+from consolidation.settings import load_settings
 
 
 @dataclass(frozen=True)
@@ -42,11 +42,8 @@ class RunSpec:
     bank: str
     llm_url: str
     latency_ms: float
-    group_parallelism: int = 8
-    llm_max_concurrent: int = 16
-    wave_size: int = 200
-    llm_batch_size: int = 8
-    recall_limit: int = 20
+    # Settings fields (CONSOLIDATION_* without the prefix) that differ from the defaults.
+    settings: dict[str, Any] = dataclasses.field(default_factory=dict)
     count_statements: bool = True
     lag_interval_s: float = 0.02
     # "pyinstrument": <profile_out>.txt, -flat.txt, -all.txt; "py-spy" (started by the runner
@@ -241,7 +238,11 @@ def _peak_rss_mb() -> float:
 
 
 async def run(spec: RunSpec) -> dict[str, Any]:
-    tracker = PlanTracker(spec.llm_batch_size)
+    settings = load_settings(
+        **{"llm_base_url": spec.llm_url, "llm_model": "fake", "llm_timeout_s": 120, "lease_s": 60}
+        | spec.settings
+    )
+    tracker = PlanTracker(settings.llm_batch_size)
     statements: Counter[str] = Counter()
     statement_seconds: Counter[str] = Counter()
     names = _statement_names()
@@ -278,19 +279,13 @@ async def run(spec: RunSpec) -> dict[str, Any]:
         pool = await db.create_pool(
             spec.database_url,
             min_size=1,
-            max_size=spec.group_parallelism + 4,
+            max_size=settings.group_parallelism + 4,
             application_name="bench-worker",
             idle_in_transaction_timeout_s=60.0,
         )
     finally:
         db._init_connection = init_connection  # type: ignore[assignment]
-    llm = HTTPConsolidator(
-        base_url=spec.llm_url,
-        model="fake",
-        max_concurrent=spec.llm_max_concurrent,
-        timeout_s=120,
-        max_retries=4,
-    )
+    llm = runtime.build_consolidator(settings)
     fetch_wave = store.fetch_wave
 
     async def planned_fetch_wave(*args: Any, **kwargs: Any) -> list[store.WaveMemory]:
@@ -303,12 +298,6 @@ async def run(spec: RunSpec) -> dict[str, Any]:
         return wave
 
     store.fetch_wave = planned_fetch_wave  # type: ignore[assignment]
-    config = EngineConfig(
-        wave_size=spec.wave_size,
-        llm_batch_size=spec.llm_batch_size,
-        group_parallelism=spec.group_parallelism,
-        recall_limit=spec.recall_limit,
-    )
     profiler = None
     try:
         lease = await queue.start_foreground(pool, spec.bank, "bench-worker", 60.0)
@@ -326,7 +315,7 @@ async def run(spec: RunSpec) -> dict[str, Any]:
             async with monitor:
                 cpu_before = _cpu_s()
                 started = time.perf_counter()
-                end = await run_operation(pool, lease, llm, config)
+                end = await run_operation(pool, lease, llm, settings)
                 wall = time.perf_counter() - started
                 engine_cpu = _cpu_s() - cpu_before
         counting = False
@@ -342,7 +331,7 @@ async def run(spec: RunSpec) -> dict[str, Any]:
     if profiler is not None and spec.profile_out:
         _write_profile(profiler, spec.profile_out)
     latency_s = spec.latency_ms / 1000.0
-    concurrency = min(spec.group_parallelism, spec.llm_max_concurrent)
+    concurrency = min(settings.group_parallelism, settings.llm_max_concurrent)
     waves = [w.to_json(latency_s, concurrency) for w in tracker.waves]
     markers = [w["statements"].get("commit_marker", 0) for w in waves]
     per_wave_statements = [sum(w["statements"].values()) for w in waves]

@@ -1,10 +1,9 @@
 """The plan the engine forms for each wave, and the ideal time of that plan.
 
 :class:`PlanTracker` sees every wave the engine fetches (the driver wraps ``store.fetch_wave``)
-and rebuilds the engine's groups and batches with the same pure functions the engine uses
-(``scopes.partition`` and ``scopes.batched``, over the same ``todo`` scopes). A batch makes one
-LLM call per scope it writes; a group runs its batches (and their passes) strictly in order, so
-a group is a chain of calls.
+and plans it with the engine's own planner (``consolidation.plan``: ``plan_wave`` and
+``planned_passes`` over the same ``todo`` scopes). A batch makes one LLM call per scope it writes;
+a group runs its batches (and their passes) strictly in order, so a group is a chain of calls.
 
 Ideal times, with ``L`` the LLM latency and ``c`` the effective concurrency
 (``min(group parallelism, LLM max concurrent)``):
@@ -27,7 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from consolidation.scopes import Scope, batched, partition
+from consolidation.plan import plan_wave, planned_passes
+from consolidation.scopes import Scope
 
 
 @dataclass
@@ -44,7 +44,7 @@ class WavePlan:
     started: float
     ended: float | None = None
     statements: dict[str, int] = field(default_factory=dict)
-    chains: list[int] = field(default_factory=list)  # calls of each group, in engine order
+    chains: list[int] = field(default_factory=list)  # calls of each group, first appearance first
 
     def ideal_s(self, latency_s: float, concurrency: int) -> float:
         return latency_s * max(math.ceil(self.calls / concurrency), self.longest_chain)
@@ -106,33 +106,30 @@ class PlanTracker:
         return self.waves[-1] if self.waves else None
 
     def add_wave(self, wave: Sequence[Any], started: float | None = None) -> WavePlan:
-        """Plan ``wave`` (``store.WaveMemory`` items) exactly as ``OperationRun._run_wave`` does."""
+        """Plan ``wave`` (``store.WaveMemory`` items) with the engine's own planner."""
         now = time.monotonic() if started is None else started
         if self.waves and self.waves[-1].ended is None:
             self.waves[-1].ended = now
-        todo = [
-            (m, tuple(s for s in m.scopes if s not in m.journaled)) for m in wave
-        ]  # no scope filter: the benchmark consolidates whole banks
-        items = [t for t in todo if t[1]]
-        groups = partition(items, lambda t: t[1])
-        calls = batches = longest = longest_scope = 0
+        # No scope filter: the benchmark consolidates whole banks.
+        todo = {id(m): tuple(s for s in m.scopes if s not in m.journaled) for m in wave}
+
+        def todo_of(memory: Any) -> tuple[Scope, ...]:
+            return todo[id(memory)]
+
+        position = {id(m): i for i, m in enumerate(wave)}
+        groups = plan_wave(wave, self.batch_size, todo_of)
+        calls = batches = longest = 0
         per_scope: dict[Scope, int] = {}
-        chains: list[int] = []
+        chains: dict[int, int] = {}  # first member's position → calls of its group
         for group in groups:
-            chain = 0
-            group_scopes: set[Scope] = set()
-            for batch in batched(group, self.batch_size):
-                scopes = {s for _, todo_scopes in batch for s in todo_scopes}
-                chain += len(scopes)
-                batches += 1
-                group_scopes |= scopes
-                for s in scopes:
-                    per_scope[s] = per_scope.get(s, 0) + 1
-            calls += chain
-            chains.append(chain)
-            longest = max(longest, chain)
-            self._chains.add(sorted(group_scopes), chain)
-        longest_scope = max(per_scope.values(), default=0)
+            passes = list(planned_passes(group, self.batch_size, todo_of))
+            for step in passes:
+                per_scope[step.scope] = per_scope.get(step.scope, 0) + 1
+            calls += len(passes)
+            batches += len({step.batch for step in passes})
+            longest = max(longest, len(passes))
+            chains[position[id(group[0])]] = len(passes)
+            self._chains.add(sorted({step.scope for step in passes}), len(passes))
         plan = WavePlan(
             index=len(self.waves) + 1,
             memories=len(wave),
@@ -140,9 +137,10 @@ class PlanTracker:
             batches=batches,
             calls=calls,
             longest_chain=longest,
-            longest_scope_chain=longest_scope,
+            longest_scope_chain=max(per_scope.values(), default=0),
             started=now,
-            chains=chains if self.keep_chains else [],
+            # In order of first appearance (the schedule model applies its own order).
+            chains=[chains[k] for k in sorted(chains)] if self.keep_chains else [],
         )
         self.waves.append(plan)
         return plan

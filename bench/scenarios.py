@@ -18,7 +18,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from bench.child import LagMonitor, RunSpec, proc_cpu_s
 from bench.infra import BANK, Databases, FakeLLM
 from bench.runner import run_child
 from bench.workload import BankShape
+from consolidation.settings import load_settings
 
 Log = Callable[[str], None]
 
@@ -65,16 +66,15 @@ class Scenario:
     latency_ms: float
     jitter_ms: float = 0.0
     pad_bytes: int = 0
-    group_parallelism: int = 8
-    llm_max_concurrent: int = 16
-    wave_size: int = 200
-    llm_batch_size: int = 8
+    # Settings fields (CONSOLIDATION_* without the prefix) that differ from the defaults.
+    settings: dict[str, Any] = field(default_factory=dict)
     loop: str = "asyncio"
     trace_callbacks: bool = False
 
     @property
     def concurrency(self) -> int:
-        return min(self.group_parallelism, self.llm_max_concurrent)
+        settings = load_settings(**self.settings)
+        return min(settings.group_parallelism, settings.llm_max_concurrent)
 
 
 def _median(values: Sequence[float]) -> float:
@@ -131,10 +131,7 @@ class Bench:
                 bank=BANK,
                 llm_url=fake.url,
                 latency_ms=scenario.latency_ms,
-                group_parallelism=scenario.group_parallelism,
-                llm_max_concurrent=scenario.llm_max_concurrent,
-                wave_size=scenario.wave_size,
-                llm_batch_size=scenario.llm_batch_size,
+                settings=scenario.settings,
                 loop=scenario.loop,
                 trace_callbacks=scenario.trace_callbacks,
                 profile=profile,
@@ -294,9 +291,16 @@ async def efficiency(
 ) -> dict[str, Any]:
     """Parallelism 8 vs the plan's ideal, and parallelism 1 on the same bank (speedup)."""
     shape = bank.shape(sizes.efficiency_memories)
-    common: dict[str, Any] = {"latency_ms": 100, "loop": loop, "wave_size": bank.wave_size}
-    p8 = Scenario("efficiency-p8", shape, group_parallelism=8, **common)
-    p1 = Scenario("efficiency-p1", shape, group_parallelism=1, **common)
+    p8, p1 = (
+        Scenario(
+            f"efficiency-p{p}",
+            shape,
+            latency_ms=100,
+            loop=loop,
+            settings={"group_parallelism": p, "wave_size": bank.wave_size},
+        )
+        for p in (8, 1)
+    )
     bench.log(f"efficiency: {shape.memories} memories, {shape.groups} groups, 100 ms, P8 vs P1")
     runs8: list[dict[str, Any]] = []
     runs1: list[dict[str, Any]] = []
@@ -339,10 +343,8 @@ async def lag(
         shape,
         latency_ms=100,
         pad_bytes=200_000,
-        group_parallelism=16,
-        llm_max_concurrent=16,
+        settings={"group_parallelism": 16, "llm_max_concurrent": 16, "wave_size": bank.wave_size},
         loop=loop,
-        wave_size=bank.wave_size,
     )
     bench.log(f"lag: {shape.memories} memories, P16, 16 concurrent calls, 200 KB answers")
     with bench.fake(scenario) as fake:
@@ -360,7 +362,9 @@ async def throughput(
 ) -> dict[str, Any]:
     """A zero-latency LLM: what the engine itself costs."""
     shape = bank.shape(sizes.throughput_memories)
-    scenario = Scenario("throughput-0ms", shape, latency_ms=0, loop=loop, wave_size=bank.wave_size)
+    scenario = Scenario(
+        "throughput-0ms", shape, latency_ms=0, loop=loop, settings={"wave_size": bank.wave_size}
+    )
     bench.log(
         f"throughput: {shape.memories} memories, {shape.groups} groups, zero-latency LLM, P8, "
         f"batch 8, wave {bank.wave_size}"
@@ -394,7 +398,9 @@ async def rss(
     if small is None:
         small = await throughput(bench, sizes, loop, bank)
     shape = bank.shape(sizes.rss_large_memories)
-    scenario = Scenario("rss-large", shape, latency_ms=0, loop=loop, wave_size=bank.wave_size)
+    scenario = Scenario(
+        "rss-large", shape, latency_ms=0, loop=loop, settings={"wave_size": bank.wave_size}
+    )
     bench.log(f"rss: {shape.memories} memories, zero-latency LLM (ingesting first)")
     started = time.perf_counter()
     await bench.template(shape)
@@ -420,7 +426,9 @@ async def profile(
     from bench.profiles import render, summarize
 
     shape = bank.shape(sizes.throughput_memories)
-    scenario = Scenario("throughput-0ms", shape, latency_ms=0, loop=loop, wave_size=bank.wave_size)
+    scenario = Scenario(
+        "throughput-0ms", shape, latency_ms=0, loop=loop, settings={"wave_size": bank.wave_size}
+    )
     bench.log(f"profile: {shape.memories} memories, zero-latency LLM, py-spy then pyinstrument")
     out: dict[str, Any] = {}
     with bench.fake(scenario) as fake:

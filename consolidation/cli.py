@@ -145,7 +145,7 @@ class ProgressBar:
 
 async def _replay(settings: Settings, bank: str, reset: bool, bar: ProgressBar) -> Operation:
     from consolidation import queue, store
-    from consolidation.engine import EngineConfig, StopSignal, run_operation
+    from consolidation.engine import StopReason, StopSignal, run_operation
     from consolidation.runtime import open_runtime
 
     async with open_runtime(
@@ -163,20 +163,20 @@ async def _replay(settings: Settings, bank: str, reset: bool, bar: ProgressBar) 
 
         def on_cancel(_conn: object, _pid: int, _channel: str, payload: str) -> None:
             if payload == str(lease.operation_id):
-                stop.set("cancel")
+                stop.set(StopReason.CANCEL)
 
         listener = await db.connect(rt.database_url)
         await listener.add_listener(queue.NOTIFY_CANCEL, on_cancel)
         loop = asyncio.get_running_loop()
         # Ctrl-C cancels the operation like an API cancel: applied work is kept and marked.
-        loop.add_signal_handler(signal.SIGINT, stop.set, "cancel")
-        loop.add_signal_handler(signal.SIGTERM, stop.set, "cancel")
+        loop.add_signal_handler(signal.SIGINT, stop.set, StopReason.CANCEL)
+        loop.add_signal_handler(signal.SIGTERM, stop.set, StopReason.CANCEL)
         try:
             await run_operation(
                 rt.pool,
                 lease,
                 rt.llm,
-                EngineConfig.from_settings(settings),
+                settings,
                 stop=stop,
                 on_progress=bar.update,
             )

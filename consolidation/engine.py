@@ -7,9 +7,9 @@ The only module that knows the whole flow (DESIGN §2). ``replay`` and the worke
 from __future__ import annotations
 
 import asyncio
+import enum
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +26,7 @@ from consolidation.errors import (
 )
 from consolidation.llm import Consolidator, LLMRetriesExhausted
 from consolidation.perf import PerfLog
+from consolidation.plan import GroupPlan, Pass, plan_wave
 from consolidation.prompts import (
     SYSTEM_PROMPT,
     FactInput,
@@ -36,57 +37,47 @@ from consolidation.prompts import (
     parse_answer,
 )
 from consolidation.queue import Lease
-from consolidation.scopes import Scope, batched, partition
+from consolidation.scopes import Scope
 from consolidation.settings import Settings
 
 log = structlog.get_logger(__name__)
 
+# A failure reason is stored with the memory and shown to operators: the cause, not an essay.
+MAX_FAILURE_REASON_CHARS = 1000
 
-@dataclass(frozen=True)
-class EngineConfig:
-    """The knobs of one operation (DESIGN §8)."""
 
-    wave_size: int = 200
-    llm_batch_size: int = 8
-    group_parallelism: int = 8
-    recall_limit: int = 20
-    mission: str | None = None
-    lease_s: float = 30.0
-    retry_backoff_s: float = 5.0
+class StopReason(enum.Enum):
+    """Why an operation stops before its bank is done."""
 
-    @classmethod
-    def from_settings(cls, settings: Settings) -> EngineConfig:
-        return cls(
-            wave_size=settings.wave_size,
-            llm_batch_size=settings.llm_batch_size,
-            group_parallelism=settings.group_parallelism,
-            recall_limit=settings.recall_limit,
-            mission=settings.mission,
-            lease_s=settings.lease_s,
-            retry_backoff_s=settings.retry_backoff_s,
-        )
+    CANCEL = "cancel"  # asked by a user: in-flight work is aborted at once
+    LEASE_LOST = "lease_lost"  # another worker owns the attempt now: in-flight work is aborted
+    SHUTDOWN = "shutdown"  # the worker is exiting: running passes finish until force()
+
+    @property
+    def aborts_at_once(self) -> bool:
+        return self is not StopReason.SHUTDOWN
 
 
 class StopSignal:
-    """Why an operation should stop: ``cancel`` (user), ``shutdown`` (worker exiting) or
-    ``lease_lost``. The first reason wins. ``cancel`` and ``lease_lost`` also abort in-flight
-    work at once; ``shutdown`` lets running passes finish until :meth:`force` is called."""
+    """Why an operation should stop; the first reason wins. A reason that aborts at once also
+    cancels the engine task (in-flight LLM requests are abandoned); ``shutdown`` lets running
+    passes finish until :meth:`force` is called."""
 
     def __init__(self) -> None:
-        self.reason: str | None = None
+        self.reason: StopReason | None = None
         self.event = asyncio.Event()
         self._task: asyncio.Task[Any] | None = None
 
     def attach(self, task: asyncio.Task[Any]) -> None:
         self._task = task
-        if self.reason in ("cancel", "lease_lost"):
+        if self.reason is not None and self.reason.aborts_at_once:
             task.cancel()
 
-    def set(self, reason: str) -> None:
+    def set(self, reason: StopReason) -> None:
         if self.reason is None:
             self.reason = reason
             self.event.set()
-        if reason in ("cancel", "lease_lost"):
+        if reason.aborts_at_once:
             self.force()
 
     def force(self) -> None:
@@ -108,39 +99,46 @@ class _MemoryState:
     """One memory while its wave runs."""
 
     memory: store.WaveMemory
-    todo: tuple[Scope, ...]
-    applied: dict[Scope, str] = field(default_factory=dict)
-    failed: bool = False
+    todo: tuple[Scope, ...]  # the scopes this operation passes: not journaled, within the filter
+    applied: dict[Scope, str] = field(default_factory=dict)  # scope → action, this operation
+    failure: str | None = None  # why it is marked failed
 
-    @property
-    def remaining(self) -> list[Scope]:
-        return [s for s in self.todo if s not in self.applied]
+    def remaining(self) -> tuple[Scope, ...]:
+        """The scopes still to pass (none once failed)."""
+        if self.failure is not None:
+            return ()
+        return tuple(s for s in self.todo if s not in self.applied)
 
     def finished(self) -> bool:
-        return not self.failed and set(self.memory.scopes) <= (
+        return self.failure is None and set(self.memory.scopes) <= (
             self.memory.journaled | self.applied.keys()
         )
 
-    def action(self) -> str:
-        """The per-memory result of DESIGN §2 (only what this operation did)."""
-        if self.failed:
+    def result(self) -> str | None:
+        """DESIGN §2's per-memory result of this operation, once it is finished or failed; None
+        when the journal alone finished it (an earlier attempt did the work: ``recovered``)."""
+        if self.failure is not None:
             return "failed"
         acted = [a for a in self.applied.values() if a != "skipped"]
         if len(acted) > 1:
             return "multiple"
         if acted:
             return acted[0]
-        return "skipped" if self.applied else "recovered"
+        return "skipped" if self.applied else None
 
 
-@dataclass
-class _Chain:
-    """One group's passes, in order. ``ahead`` is the recall the previous pass's apply fetched
-    for the pass expected next: usable by that pass only, and only if it is the one expected
-    (same scope, same facts). Nothing else writes a group's scopes in between: groups never
-    share a scope and a bank runs one operation at a time."""
+@dataclass(frozen=True)
+class RecallAhead:
+    """The recall that a pass's apply fetched for the pass its group makes next (it rides on the
+    apply, DESIGN §2). Nothing else writes a group's scopes in between — groups never share a
+    scope and a bank runs one operation at a time — so it is exact for that pass, and only it."""
 
-    ahead: tuple[store.RecallRequest, list[store.RecalledObservation]] | None = None
+    request: store.RecallRequest
+    observations: list[store.RecalledObservation]
+
+    def serves(self, wanted: store.RecallRequest) -> list[store.RecalledObservation] | None:
+        """The recalled observations if ``wanted`` is the pass this was fetched for, else None."""
+        return self.observations if wanted == self.request else None
 
 
 @dataclass
@@ -148,6 +146,7 @@ class _BatchReport:
     group: int
     number: int
     scopes: tuple[Scope, ...]
+    members: Sequence[_MemoryState]
     perf: PerfLog
 
 
@@ -180,25 +179,25 @@ ProgressCallback = Callable[[RunSummary], None]
 
 
 class OperationRun:
-    """The engine for one claimed attempt of one operation."""
+    """The engine for one claimed attempt of one operation: waves, their groups, markers."""
 
     def __init__(
         self,
         pool: asyncpg.Pool,
         lease: Lease,
         llm: Consolidator,
-        config: EngineConfig,
+        settings: Settings,
         stop: StopSignal,
         on_progress: ProgressCallback | None = None,
     ) -> None:
         self.pool = pool
         self.lease = lease
         self.llm = llm
-        self.config = config
+        self.settings = settings
         self.stop = stop
         self.on_progress = on_progress
         self.summary = RunSummary()
-        self.mission = config.mission
+        self.mission = settings.mission
         self._abort = False
         self.log = log.bind(operation_id=str(lease.operation_id), bank_id=lease.bank_id)
 
@@ -216,7 +215,7 @@ class OperationRun:
                 self.pool,
                 self.lease.bank_id,
                 cursor,
-                self.config.wave_size,
+                self.settings.wave_size,
                 self.lease.scope_filter,
             )
             if not wave:
@@ -237,50 +236,49 @@ class OperationRun:
             )
             for m in wave
         ]
-        groups = partition([s for s in states if s.todo], lambda s: s.todo)
+        groups = plan_wave(states, self.settings.llm_batch_size, _MemoryState.remaining)
         reports: list[list[_BatchReport]] = [[] for _ in groups]
-        semaphore = asyncio.Semaphore(self.config.group_parallelism)
+        semaphore = asyncio.Semaphore(self.settings.group_parallelism)
 
-        async def run_group(index: int, group: list[_MemoryState]) -> None:
+        async def run_group(index: int) -> None:
             async with semaphore:
-                await self._run_group(index, group, reports[index])
+                await self._run_group(index, groups[index], reports[index])
 
-        # Longest chain first (LPT): a long group started last would finish alone after all
-        # the others, leaving the other slots idle until the wave barrier. Stable for ties.
-        order = sorted(range(len(groups)), key=lambda i: -self._planned_calls(groups[i]))
         started = time.monotonic()
-        results: list[BaseException | None] = []
+        results: list[BaseException | None] | None = None
         try:
-            launched = await asyncio.gather(
-                *(run_group(i, groups[i]) for i in order), return_exceptions=True
+            results = await asyncio.gather(
+                *(run_group(i) for i in range(len(groups))), return_exceptions=True
             )
-            results = [None] * len(groups)
-            for i, result in zip(order, launched, strict=True):
-                results[i] = result
         finally:
             # Applied work stays and gets its markers, even when the wave was cancelled.
-            await asyncio.shield(self._close_wave(states, reports, started))
+            interrupted = results is None or any(results)
+            await asyncio.shield(self._close_wave(states, reports, started, interrupted))
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise _first_error(errors)
-        if self.stop.reason == "cancel":
+        if self.stop.reason is StopReason.CANCEL:
             raise OperationCancelled("cancel requested")
-
-    def _planned_calls(self, group: Sequence[_MemoryState]) -> int:
-        """LLM calls the group makes if no answer is unusable: one per scope of each batch."""
-        return sum(
-            len({s for m in batch for s in m.todo})
-            for batch in batched(group, self.config.llm_batch_size)
-        )
 
     async def _close_wave(
         self,
         states: Sequence[_MemoryState],
         reports: Sequence[Sequence[_BatchReport]],
         started: float,
+        interrupted: bool,
     ) -> None:
+        if interrupted:
+            # Interrupted: an apply may have committed although its caller never heard back (it
+            # was cancelled, or the connection dropped, after the server's commit). The journal
+            # knows; without this its memories would wait for the next operation's recovery.
+            await self._reread_journal(states)
+        outcome = {id(s): s.result() for s in states if s.finished() or s.failure is not None}
         for group_reports in reports:
             for report in group_reports:
+                for member in report.members:
+                    action = outcome.get(id(member))
+                    if action is not None:
+                        report.perf.count_action(action)
                 self.summary.perf += report.perf
                 self.log.info(
                     "batch",
@@ -291,14 +289,12 @@ class OperationRun:
                     **report.perf.to_dict(),
                 )
         consolidated = [s.memory.id for s in states if s.finished()]
-        failed = [s.memory.id for s in states if s.failed]
+        failed = {s.memory.id: s.failure for s in states if s.failure is not None}
         await store.commit_wave_markers(self.pool, self.lease, consolidated, failed)
-        recovered = 0
-        for state in states:
-            if state.finished() or state.failed:
-                action = state.action()
-                recovered += action == "recovered"
+        for action in outcome.values():
+            if action is not None:
                 metrics.MEMORIES.labels(action=action).inc()
+        recovered = sum(action is None for action in outcome.values())
         self.summary.waves += 1
         self.summary.processed += len(consolidated) + len(failed)
         self.summary.consolidated += len(consolidated)
@@ -314,144 +310,119 @@ class OperationRun:
             seconds=round(time.monotonic() - started, 4),
         )
         if await queue.record_progress(self.pool, self.lease, self.summary.progress()):
-            self.stop.set("cancel")
+            self.stop.set(StopReason.CANCEL)
         self._report()
+
+    async def _reread_journal(self, states: Sequence[_MemoryState]) -> None:
+        unsure = {s.memory.id: s for s in states if s.failure is None and s.remaining()}
+        if not unsure:
+            return
+        journal = await store.journal_of(self.pool, self.lease.operation_id, list(unsure))
+        for memory_id, scope, action in journal:
+            state = unsure[memory_id]
+            if scope in state.todo:
+                state.applied.setdefault(scope, action)
 
     def _report(self) -> None:
         if self.on_progress is not None:
             self.on_progress(self.summary)
 
-    # --- groups and batches ---------------------------------------------------------------
+    # --- groups and passes ----------------------------------------------------------------
 
     async def _run_group(
-        self, index: int, group: list[_MemoryState], reports: list[_BatchReport]
+        self, index: int, group: Sequence[_MemoryState], reports: list[_BatchReport]
     ) -> None:
-        """Batches of one group run strictly in order: batch k+1 recalls what batch k wrote."""
+        """The group's passes strictly in order: batch k+1 recalls what batch k wrote."""
+        plan = GroupPlan(group, self.settings.llm_batch_size, _MemoryState.remaining)
+        ahead: RecallAhead | None = None
         try:
-            batches = list(batched(group, self.config.llm_batch_size))
-            chain = _Chain()
-            for number, batch in enumerate(batches):
-                scopes = tuple(sorted({s for m in batch for s in m.todo}))
-                perf = PerfLog(memories=len(batch))
-                reports.append(_BatchReport(index, number, scopes, perf))
-                following = batches[number + 1] if number + 1 < len(batches) else None
-                await self._run_batch(batch, perf, chain, following)
-                for state in batch:
-                    action = state.action()
-                    if action != "recovered":
-                        perf.count_action(action)
+            while (step := plan.next()) is not None:
+                if not reports or reports[-1].number != step.batch:
+                    batch = plan.batches[step.batch]
+                    scopes = tuple(sorted({s for m in batch for s in m.todo}))
+                    reports.append(
+                        _BatchReport(index, step.batch, scopes, batch, PerfLog(memories=len(batch)))
+                    )
+                perf = reports[-1].perf
+                self._checkpoint()
+                try:
+                    ahead = await self._run_pass(step, perf, ahead, plan.peek())
+                except InvalidLLMOutput as exc:
+                    ahead = None
+                    if len(step.members) == 1:
+                        self._fail(step.members[0], step.scope, exc)
+                        continue
+                    plan.split(step)
+                    perf.splits += 1
+                    self.log.info(
+                        "batch_split", scope=list(step.scope), size=len(step.part), reason=str(exc)
+                    )
         except (asyncio.CancelledError, _SiblingFailed, _Interrupted, OperationCancelled):
             raise
         except BaseException:
             self._abort = True
             raise
 
-    async def _run_batch(
-        self,
-        batch: list[_MemoryState],
-        perf: PerfLog,
-        chain: _Chain,
-        following: list[_MemoryState] | None,
-    ) -> None:
-        """One pass per scope; an unusable answer splits the batch (DESIGN §2)."""
-        parts: deque[list[_MemoryState]] = deque([batch])
-        while parts:
-            part = parts.popleft()
-            scopes = _pass_scopes(part)
-            for i, scope in enumerate(scopes):
-                members = _pass_members(part, scope)
-                # The pass after this one, if this one succeeds: its recall rides on our apply.
-                upcoming: store.RecallRequest | None
-                if i + 1 < len(scopes):
-                    upcoming = self._recall_request(
-                        scopes[i + 1], _pass_members(part, scopes[i + 1])
-                    )
-                else:
-                    upcoming = self._first_recall(parts[0] if parts else following)
-                self._checkpoint()
-                try:
-                    await self._run_pass(scope, members, perf, chain, upcoming)
-                except InvalidLLMOutput as exc:
-                    if len(members) == 1:
-                        members[0].failed = True
-                        self.log.warning(
-                            "memory_failed",
-                            memory_id=str(members[0].memory.id),
-                            scope=list(scope),
-                            reason=str(exc),
-                        )
-                        continue
-                    half = (len(part) + 1) // 2
-                    parts.extendleft([part[half:], part[:half]])
-                    perf.splits += 1
-                    self.log.info("batch_split", scope=list(scope), size=len(part), reason=str(exc))
-                    break
-
-    def _recall_request(self, scope: Scope, members: list[_MemoryState]) -> store.RecallRequest:
-        texts = tuple(m.memory.text for m in members)
-        return store.RecallRequest(scope, texts, self.config.recall_limit)
-
-    def _first_recall(self, part: list[_MemoryState] | None) -> store.RecallRequest | None:
-        """The recall of the first pass ``part`` will make (None if it makes none)."""
-        if part is None:
-            return None
-        scopes = _pass_scopes(part)
-        return self._recall_request(scopes[0], _pass_members(part, scopes[0])) if scopes else None
+    def _fail(self, member: _MemoryState, scope: Scope, exc: InvalidLLMOutput) -> None:
+        member.failure = str(exc)[:MAX_FAILURE_REASON_CHARS]
+        self.log.warning(
+            "memory_failed",
+            memory_id=str(member.memory.id),
+            scope=list(scope),
+            reason=member.failure,
+        )
 
     def _checkpoint(self) -> None:
         """Checked before every pass and every wave."""
-        if self.stop.reason == "cancel":
+        if self.stop.reason is StopReason.CANCEL:
             raise OperationCancelled("cancel requested")
-        if self.stop.reason == "lease_lost":
+        if self.stop.reason is StopReason.LEASE_LOST:
             raise LeaseLost(f"operation {self.lease.operation_id} lost its lease")
-        if self.stop.reason == "shutdown":
+        if self.stop.reason is StopReason.SHUTDOWN:
             raise _Interrupted("worker shutting down")
         if self._abort:
             raise _SiblingFailed()
 
-    # --- passes ---------------------------------------------------------------------------
+    def _recall_request(self, step: Pass[_MemoryState]) -> store.RecallRequest:
+        texts = tuple(m.memory.text for m in step.members)
+        return store.RecallRequest(step.scope, texts, self.settings.recall_limit)
 
     async def _run_pass(
         self,
-        scope: Scope,
-        members: list[_MemoryState],
+        step: Pass[_MemoryState],
         perf: PerfLog,
-        chain: _Chain,
-        upcoming: store.RecallRequest | None,
-    ) -> None:
+        ahead: RecallAhead | None,
+        upcoming: Pass[_MemoryState] | None,
+    ) -> RecallAhead | None:
         """Recall (unless the previous apply brought it), ask the LLM (one retry on an unusable
-        answer), apply in one transaction — fetching ``upcoming``'s recall on the way."""
-        wanted = self._recall_request(scope, members)
-        ahead, chain.ahead = chain.ahead, None
-        if ahead is not None and ahead[0] == wanted:
-            recalled = ahead[1]
-        else:
+        answer), apply in one transaction — fetching ``upcoming``'s recall on the way, which is
+        returned for it."""
+        wanted = self._recall_request(step)
+        recalled = ahead.serves(wanted) if ahead is not None else None
+        if recalled is None:
             started = time.monotonic()
             recalled = await store.recall(
-                self.pool, self.lease.bank_id, scope, wanted.fact_texts, wanted.limit
+                self.pool, self.lease.bank_id, step.scope, wanted.fact_texts, wanted.limit
             )
             perf.recall_s += time.monotonic() - started
         request = build_request(
             self.lease.bank_id,
-            scope,
+            step.scope,
             self.mission,
             [
                 FactInput(m.memory.id, m.memory.text, m.memory.tags, m.memory.occurred_at)
-                for m in members
+                for m in step.members
             ],
             [ObservationInput(o.id, o.text, o.sources, o.updated_at) for o in recalled],
         )
+        upcoming_recall = None if upcoming is None else self._recall_request(upcoming)
         for attempt in (1, 2):
             try:
-                plan = await self._ask(request, perf)
+                answer = await self._ask(request, perf)
+                write = _pass_write(self.lease, step, answer)
                 started = time.monotonic()
                 try:
-                    fetched = await store.apply_pass(
-                        self.pool,
-                        self.lease,
-                        _pass_write(self.lease, scope, members, plan),
-                        upcoming,
-                    )
+                    fetched = await store.apply_pass(self.pool, self.lease, write, upcoming_recall)
                 except store.StaleObservation as exc:
                     raise InvalidLLMOutput(str(exc)) from exc
                 finally:
@@ -460,13 +431,14 @@ class OperationRun:
                 perf.llm_failures += 1
                 if attempt == 2:
                     raise
-                self.log.info("unusable_answer_retry", scope=list(scope), reason=str(exc))
+                self.log.info("unusable_answer_retry", scope=list(step.scope), reason=str(exc))
                 continue
-            for m in members:
-                m.applied[scope] = _action_of(m.memory.id, plan)
-            if upcoming is not None and fetched is not None:
-                chain.ahead = (upcoming, fetched)
-            return
+            for member, outcome in zip(step.members, write.outcomes, strict=True):
+                member.applied[step.scope] = outcome.action
+            if upcoming_recall is None or fetched is None:
+                return None
+            return RecallAhead(upcoming_recall, fetched)
+        raise AssertionError("unreachable")
 
     async def _ask(self, request: PassRequest, perf: PerfLog) -> PassPlan:
         started = time.monotonic()
@@ -486,35 +458,8 @@ class OperationRun:
         return parse_answer(answer.content, request)
 
 
-def _pass_scopes(part: Sequence[_MemoryState]) -> list[Scope]:
-    """The scopes ``part`` still makes passes for, in the order it makes them."""
-    return sorted({s for m in part if not m.failed for s in m.remaining})
-
-
-def _pass_members(part: Sequence[_MemoryState], scope: Scope) -> list[_MemoryState]:
-    """The memories of ``part`` that the pass for ``scope`` is about."""
-    return [m for m in part if not m.failed and scope in m.remaining]
-
-
-def _action_of(memory_id: uuid.UUID, plan: PassPlan) -> str:
-    kinds = [
-        kind
-        for kind, actions in (
-            ("created", plan.creates),
-            ("updated", plan.updates),
-            ("merged", plan.merges),
-        )
-        for action in actions
-        if memory_id in action.memory_ids
-    ]
-    if len(kinds) > 1:
-        return "multiple"
-    return kinds[0] if kinds else "skipped"
-
-
-def _pass_write(
-    lease: Lease, scope: Scope, members: Sequence[_MemoryState], plan: PassPlan
-) -> store.PassWrite:
+def _pass_write(lease: Lease, step: Pass[_MemoryState], plan: PassPlan) -> store.PassWrite:
+    """What one answered pass writes; its outcomes follow ``step.members``, in order."""
     writes = [
         store.ObservationWrite((uuid.uuid4(),), c.text, c.memory_ids, create=True)
         for c in plan.creates
@@ -530,12 +475,12 @@ def _pass_write(
     outcomes = tuple(
         store.Outcome(
             memory_id=m.memory.id,
-            action=_action_of(m.memory.id, plan),
+            action=plan.action_of(m.memory.id),
             observation_ids=tuple(w.ids[0] for w in writes if m.memory.id in w.memory_ids),
         )
-        for m in members
+        for m in step.members
     )
-    return store.PassWrite(lease.bank_id, scope, lease.operation_id, tuple(writes), outcomes)
+    return store.PassWrite(lease.bank_id, step.scope, lease.operation_id, tuple(writes), outcomes)
 
 
 _ERROR_PRIORITY = (LeaseLost, OperationCancelled, LLMConfigError)
@@ -560,10 +505,10 @@ async def _keep_lease(pool: asyncpg.Pool, lease: Lease, lease_s: float, stop: St
         await asyncio.sleep(lease_s / 3)
         try:
             if await queue.heartbeat(pool, lease, lease_s):
-                stop.set("cancel")
+                stop.set(StopReason.CANCEL)
         except LeaseLost:
             log.warning("lease_lost", operation_id=str(lease.operation_id), attempt=lease.attempt)
-            stop.set("lease_lost")
+            stop.set(StopReason.LEASE_LOST)
             return
         except Exception as exc:
             # Any other failure (a dropped connection surfaces as OSError, PostgresError,
@@ -585,7 +530,7 @@ async def run_operation(
     pool: asyncpg.Pool,
     lease: Lease,
     llm: Consolidator,
-    config: EngineConfig,
+    settings: Settings,
     *,
     stop: StopSignal | None = None,
     on_progress: ProgressCallback | None = None,
@@ -597,26 +542,26 @@ async def run_operation(
     ``pending`` with backoff until ``max_attempts``, then ``failed``; lost lease → no write.
     """
     stop = stop or StopSignal()
-    run = OperationRun(pool, lease, llm, config, stop, on_progress)
+    run = OperationRun(pool, lease, llm, settings, stop, on_progress)
     bound = log.bind(operation_id=str(lease.operation_id), bank_id=lease.bank_id)
     bound.info("operation_started", attempt=lease.attempt, scope_filter=lease.scope_filter)
     inner = asyncio.create_task(run.run(), name=f"operation-{lease.operation_id}")
     stop.attach(inner)
-    keeper = asyncio.create_task(_keep_lease(pool, lease, config.lease_s, stop))
+    keeper = asyncio.create_task(_keep_lease(pool, lease, settings.lease_s, stop))
     outer_cancelled = False
     try:
         await asyncio.wait({inner})
     except asyncio.CancelledError:
         # The caller gave up on us (hard shutdown): stop the engine, then still record the end.
         outer_cancelled = True
-        stop.set("shutdown")
+        stop.set(StopReason.SHUTDOWN)
         stop.force()
         await asyncio.wait({inner})
     finally:
         keeper.cancel()
         await asyncio.gather(keeper, return_exceptions=True)
 
-    end = await asyncio.shield(_finish(pool, lease, config, inner, stop, run.summary))
+    end = await asyncio.shield(_finish(pool, lease, settings, inner, stop, run.summary))
     bound.info(
         "operation_finished",
         status=end.status,
@@ -632,7 +577,7 @@ async def run_operation(
 async def _finish(
     pool: asyncpg.Pool,
     lease: Lease,
-    config: EngineConfig,
+    settings: Settings,
     inner: asyncio.Task[RunSummary],
     stop: StopSignal,
     summary: RunSummary,
@@ -644,14 +589,14 @@ async def _finish(
         if error is None:
             await queue.finish(pool, lease, "completed", result=result)
             return OperationEnd("completed", summary)
-        if stop.reason == "lease_lost" or isinstance(error, LeaseLost):
+        if stop.reason is StopReason.LEASE_LOST or isinstance(error, LeaseLost):
             return OperationEnd("lost", summary, str(error) or "lease lost")
-        if stop.reason == "cancel" or isinstance(error, OperationCancelled):
+        if stop.reason is StopReason.CANCEL or isinstance(error, OperationCancelled):
             await queue.finish(
                 pool, lease, "cancelled", result=result, error="cancelled on request"
             )
             return OperationEnd("cancelled", summary, "cancelled on request")
-        if stop.reason == "shutdown":
+        if stop.reason is StopReason.SHUTDOWN:
             status = await queue.release(
                 pool,
                 lease,
@@ -665,7 +610,7 @@ async def _finish(
         if isinstance(error, LLMConfigError) or lease.attempt >= lease.max_attempts:
             await queue.finish(pool, lease, "failed", result=result, error=message)
             return OperationEnd("failed", summary, message)
-        delay = config.retry_backoff_s * 2 ** (lease.attempt - 1)
+        delay = settings.retry_backoff_s * 2 ** (lease.attempt - 1)
         status = await queue.release(
             pool, lease, delay_s=delay, error=message, refund_attempt=False, result=result
         )

@@ -244,6 +244,23 @@ class PassPlan:
     updates: tuple[UpdateAction, ...]
     merges: tuple[MergeAction, ...]
 
+    def action_of(self, memory_id: UUID) -> str:
+        """What this answer did with a fact (DESIGN §2): ``created``, ``updated`` or ``merged``
+        when one action cites it, ``multiple`` when several do, ``skipped`` when none does."""
+        kinds = [
+            kind
+            for kind, actions in (
+                ("created", self.creates),
+                ("updated", self.updates),
+                ("merged", self.merges),
+            )
+            for action in actions
+            if memory_id in action.memory_ids
+        ]
+        if len(kinds) > 1:
+            return "multiple"
+        return kinds[0] if kinds else "skipped"
+
     def citations(self) -> dict[UUID, int]:
         """How many actions cite each memory (memories cited by none are absent)."""
         counts: dict[UUID, int] = {}

@@ -16,7 +16,7 @@ from typing import Any
 import asyncpg
 
 from consolidation.errors import LeaseLost, NotFound
-from consolidation.scopes import Scope
+from consolidation.scopes import Scope, scopes_from_db
 
 NOTIFY_SUBMIT = "consolidation_submit"
 NOTIFY_CANCEL = "consolidation_cancel"
@@ -86,7 +86,7 @@ def _lease_from_row(row: asyncpg.Record) -> Lease:
         bank_id=row["bank_id"],
         worker_id=row["worker_id"],
         attempt=row["attempt"],
-        scope_filter=None if raw is None else tuple(tuple(s) for s in raw),
+        scope_filter=None if raw is None else scopes_from_db(raw),
         max_attempts=row["max_attempts"],
     )
 
@@ -291,7 +291,9 @@ async def terminate_stalled_workers(
 
 # --- fenced writes --------------------------------------------------------------------------
 
-FENCE = "id = $1 AND worker_id = $2 AND attempt = $3 AND status = 'running'"
+# Every fenced write of an operation row: consolidation/sql/consolidation_holds_lease_v1.sql is the
+# one definition of the fence, shared with the apply of a pass and the wave's markers (store.py).
+FENCE = "id = $1 AND consolidation_holds_lease_v1($1, $2, $3)"
 
 HEARTBEAT = f"""
 UPDATE operations SET lease_expires_at = now() + make_interval(secs => $4)

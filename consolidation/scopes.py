@@ -1,6 +1,9 @@
 """Write scopes of a memory, grouping of a wave (union-find over scopes), batching. Pure.
 
-A *scope* is a sorted, de-duplicated tuple of tags; ``()`` is the bank-wide shared scope.
+A *scope* is a sorted, de-duplicated tuple of tags; ``()`` is the bank-wide shared scope. In the
+database a scope is ``text[]`` (``memory_scopes``, ``observations``, ``consolidation_outcomes``)
+and a list of scopes a JSON array of tag arrays (``operations.scope_filter``); a tuple is sent as
+either as it is, and :func:`scope_from_db` / :func:`scopes_from_db` read them back.
 Groups returned by :func:`partition` never share a scope, which is what lets the engine run
 them concurrently without locks.
 """
@@ -27,6 +30,16 @@ T = TypeVar("T")
 def normalize_scope(tags: Iterable[str]) -> Scope:
     """The canonical form of a tag collection: sorted, without duplicates."""
     return tuple(sorted(set(tags)))
+
+
+def scope_from_db(value: Sequence[str]) -> Scope:
+    """A scope read from a ``text[]`` column."""
+    return tuple(value)
+
+
+def scopes_from_db(value: Iterable[Sequence[str]] | None) -> tuple[Scope, ...]:
+    """Scopes read from a JSON array of tag arrays (None is none), sorted and de-duplicated."""
+    return tuple(sorted({tuple(scope) for scope in value or ()}))
 
 
 def tag_problem(tag: object) -> str | None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -13,19 +13,7 @@ import asyncpg
 from consolidation.errors import LeaseLost, ValidationError
 from consolidation.memories import NewMemory
 from consolidation.queue import Lease
-from consolidation.scopes import Scope
-
-SCOPE_SEP = "\x1f"
-
-
-def scope_key(scope: Scope) -> str:
-    """A scope as one string (tags joined by U+001F; '' is the shared scope)."""
-    return SCOPE_SEP.join(scope)
-
-
-def scope_from_key(key: str) -> Scope:
-    return tuple(key.split(SCOPE_SEP)) if key else ()
-
+from consolidation.scopes import Scope, scope_from_db, scopes_from_db
 
 # --- ingestion ---------------------------------------------------------------------------
 
@@ -35,18 +23,25 @@ SELECT id, bank_id FROM memories WHERE id = ANY($1::uuid[]) AND bank_id <> $2
 
 INSERT_BANK = "INSERT INTO banks (id) VALUES ($1) ON CONFLICT (id) DO NOTHING"
 
+# One row per write scope in memory_scopes, inserted with the memory (only when the memory is new).
 INSERT_MEMORIES = """
-INSERT INTO memories (id, bank_id, text, tags, observation_scopes, scope_keys, occurred_at, metadata)
-SELECT t.id, $1, t.text,
-       ARRAY(SELECT jsonb_array_elements_text(t.tags)),
-       t.observation_scopes,
-       ARRAY(SELECT jsonb_array_elements_text(t.scope_keys)),
-       t.occurred_at, t.metadata
-FROM jsonb_to_recordset($2::jsonb)
-     AS t(id uuid, text text, tags jsonb, observation_scopes jsonb, scope_keys jsonb,
-          occurred_at timestamptz, metadata jsonb)
-ON CONFLICT (id) DO NOTHING
-RETURNING id
+WITH given AS (
+    SELECT * FROM jsonb_to_recordset($2::jsonb)
+        AS t(id uuid, text text, tags jsonb, observation_scopes jsonb, scopes jsonb,
+             occurred_at timestamptz, metadata jsonb)
+), inserted AS (
+    INSERT INTO memories (id, bank_id, text, tags, observation_scopes, occurred_at, metadata)
+    SELECT g.id, $1, g.text, ARRAY(SELECT jsonb_array_elements_text(g.tags)),
+           g.observation_scopes, g.occurred_at, g.metadata
+    FROM given g
+    ON CONFLICT (id) DO NOTHING
+    RETURNING id
+), scopes AS (
+    INSERT INTO memory_scopes (memory_id, scope)
+    SELECT g.id, ARRAY(SELECT jsonb_array_elements_text(s.scope))
+    FROM given g JOIN inserted i ON i.id = g.id, jsonb_array_elements(g.scopes) AS s(scope)
+)
+SELECT id FROM inserted
 """
 
 
@@ -81,7 +76,7 @@ def _memory_record(m: NewMemory) -> dict[str, Any]:
         "text": m.text,
         "tags": list(m.tags),
         "observation_scopes": m.observation_scopes,
-        "scope_keys": [scope_key(s) for s in m.scopes],
+        "scopes": m.scopes,
         "occurred_at": m.occurred_at,
         "metadata": m.metadata,
     }
@@ -155,13 +150,11 @@ async def list_observations(
     limit: int = 100,
 ) -> list[ObservationRow]:
     """Observations of a bank (optionally one scope), keyset-paginated by id."""
-    rows = await conn.fetch(
-        LIST_OBSERVATIONS, bank_id, list(scope) if scope is not None else None, after, limit
-    )
+    rows = await conn.fetch(LIST_OBSERVATIONS, bank_id, scope, after, limit)
     return [
         ObservationRow(
             id=r["id"],
-            scope=tuple(r["scope"]),
+            scope=scope_from_db(r["scope"]),
             text=r["text"],
             source_memory_ids=list(r["source_memory_ids"]),
             updated_at=r["updated_at"],
@@ -217,14 +210,18 @@ class WaveMemory:
 # Keyset pagination in consolidation order: each operation walks the pending memories once, so
 # memories left pending on purpose (a scoped operation's other scopes) are not fetched again.
 FETCH_WAVE = """
-SELECT m.id, m.text, m.tags, m.occurred_at, m.consolidation_order, m.scope_keys,
-       ARRAY(SELECT array_to_string(o.scope, E'\\x1f') FROM consolidation_outcomes o
-             WHERE o.memory_id = m.id) AS journaled_keys
+SELECT m.id, m.text, m.tags, m.occurred_at, m.consolidation_order,
+       (SELECT jsonb_agg(s.scope) FROM memory_scopes s WHERE s.memory_id = m.id) AS scopes,
+       (SELECT jsonb_agg(o.scope) FROM consolidation_outcomes o WHERE o.memory_id = m.id)
+           AS journaled
 FROM memories m
 WHERE m.bank_id = $1
   AND m.consolidated_at IS NULL AND m.consolidation_failed_at IS NULL
   AND (m.consolidation_order, m.id) > ($2::timestamptz, $3::uuid)
-  AND ($5::text[] IS NULL OR m.scope_keys && $5::text[])
+  AND ($5::jsonb IS NULL OR EXISTS (
+      SELECT 1 FROM memory_scopes s
+      WHERE s.memory_id = m.id AND s.scope IN (SELECT ARRAY(SELECT jsonb_array_elements_text(f))
+                                               FROM jsonb_array_elements($5::jsonb) AS f)))
 ORDER BY m.consolidation_order, m.id
 LIMIT $4
 """
@@ -241,8 +238,7 @@ async def fetch_wave(
 ) -> list[WaveMemory]:
     """The next ``limit`` pending memories after ``after`` in consolidation order."""
     order, last_id = after or WAVE_START
-    filter_keys = None if scope_filter is None else [scope_key(s) for s in scope_filter]
-    rows = await conn.fetch(FETCH_WAVE, bank_id, order, last_id, limit, filter_keys)
+    rows = await conn.fetch(FETCH_WAVE, bank_id, order, last_id, limit, scope_filter)
     return [
         WaveMemory(
             id=r["id"],
@@ -250,8 +246,8 @@ async def fetch_wave(
             tags=tuple(r["tags"]),
             occurred_at=r["occurred_at"],
             order=r["consolidation_order"],
-            scopes=tuple(scope_from_key(k) for k in r["scope_keys"]),
-            journaled=frozenset(scope_from_key(k) for k in r["journaled_keys"]),
+            scopes=scopes_from_db(r["scopes"]),
+            journaled=frozenset(scopes_from_db(r["journaled"])),
         )
         for r in rows
     ]
@@ -260,15 +256,17 @@ async def fetch_wave(
 COUNT_PENDING = """
 SELECT count(*) FROM memories m
 WHERE m.bank_id = $1 AND m.consolidated_at IS NULL AND m.consolidation_failed_at IS NULL
-  AND ($2::text[] IS NULL OR m.scope_keys && $2::text[])
+  AND ($2::jsonb IS NULL OR EXISTS (
+      SELECT 1 FROM memory_scopes s
+      WHERE s.memory_id = m.id AND s.scope IN (SELECT ARRAY(SELECT jsonb_array_elements_text(f))
+                                               FROM jsonb_array_elements($2::jsonb) AS f)))
 """
 
 
 async def count_pending(
     conn: asyncpg.Connection | asyncpg.Pool, bank_id: str, scope_filter: Sequence[Scope] | None
 ) -> int:
-    filter_keys = None if scope_filter is None else [scope_key(s) for s in scope_filter]
-    return int(await conn.fetchval(COUNT_PENDING, bank_id, filter_keys))
+    return int(await conn.fetchval(COUNT_PENDING, bank_id, scope_filter))
 
 
 async def bank_mission(conn: asyncpg.Connection | asyncpg.Pool, bank_id: str) -> str | None:
@@ -284,12 +282,11 @@ class RecalledObservation:
     updated_at: datetime
 
 
-# Full-text relevance to the batch's facts first (an OR of their lexemes), then the most
-# recently updated observations of the scope, capped at $3 in all. The query lives in
-# migrations/versions/0003_recall_with_apply.py, shared by the two ways a pass gets its
-# observations: this statement, and the apply of the group's previous pass (APPLY_PASS).
+# The query is consolidation/sql/consolidation_recall_v1.sql, shared by the two ways a pass gets
+# its observations: this statement, and the apply of the group's previous pass (APPLY_PASS).
 RECALL = (
-    "SELECT obs_id, obs_text, obs_updated_at, obs_sources FROM consolidation_recall($1, $2, $3, $4)"
+    "SELECT obs_id, obs_text, obs_updated_at, obs_sources"
+    " FROM consolidation_recall_v1($1, $2, $3, $4)"
 )
 
 
@@ -303,7 +300,7 @@ async def recall(
     """The observations of one scope a pass should see (DESIGN §2, Recall)."""
     if limit <= 0:
         return []
-    rows = await conn.fetch(RECALL, bank_id, list(scope), limit, "\n".join(fact_texts))
+    rows = await conn.fetch(RECALL, bank_id, scope, limit, "\n".join(fact_texts))
     return _recalled(rows)
 
 
@@ -352,12 +349,11 @@ class StaleObservation(Exception):
     """An observation the answer refers to is gone or not in the pass's bank and scope."""
 
 
-# The statements of a pass live in migrations/versions/0002_apply_pass_function.py (the writes)
-# and 0003_recall_with_apply.py (the next pass's recall): one round trip, one implicit
-# transaction, fenced first.
+# The writes of a pass and the next pass's recall: consolidation/sql/consolidation_apply_pass_v1.sql,
+# one round trip, one implicit transaction, fenced first.
 APPLY_PASS = (
     "SELECT obs_id, obs_text, obs_updated_at, obs_sources"
-    " FROM consolidation_apply_pass_then_recall($1::jsonb, $2, $3, $4)"
+    " FROM consolidation_apply_pass_v1($1::jsonb, $2, $3, $4)"
 )
 FENCE_LOST = "CN001"
 NOT_IN_SCOPE = "CN002"
@@ -376,7 +372,7 @@ async def apply_pass(
         "worker_id": lease.worker_id,
         "attempt": lease.attempt,
         "bank_id": write.bank_id,
-        "scope": list(write.scope),
+        "scope": write.scope,
         "creates": [_observation_json(w) for w in write.observations if w.create],
         "changes": [_observation_json(w) for w in write.observations if not w.create],
         "outcomes": [
@@ -387,7 +383,7 @@ async def apply_pass(
     if recall_next is None or recall_next.limit <= 0:
         args: tuple[Any, ...] = (None, 0, None)
     else:
-        args = (list(recall_next.scope), recall_next.limit, "\n".join(recall_next.fact_texts))
+        args = (recall_next.scope, recall_next.limit, "\n".join(recall_next.fact_texts))
     try:
         rows = await pool.fetch(APPLY_PASS, payload, *args)
     except asyncpg.PostgresError as exc:
@@ -405,15 +401,31 @@ def _observation_json(write: ObservationWrite) -> dict[str, Any]:
     return {"ids": write.ids, "text": write.text, "memory_ids": write.memory_ids}
 
 
-# Fenced per row: a worker that lost its lease marks nothing. Executed with executemany, which
-# asyncpg sends as one pipelined round trip.
+JOURNAL_OF = """
+SELECT memory_id, scope, action FROM consolidation_outcomes
+WHERE operation_id = $1 AND memory_id = ANY($2::uuid[])
+"""
+
+
+async def journal_of(
+    conn: asyncpg.Connection | asyncpg.Pool,
+    operation_id: uuid.UUID,
+    memory_ids: Sequence[uuid.UUID],
+) -> list[tuple[uuid.UUID, Scope, str]]:
+    """The journal rows ``operation_id`` wrote for these memories: (memory, scope, action)."""
+    rows = await conn.fetch(JOURNAL_OF, operation_id, memory_ids)
+    return [(r["memory_id"], scope_from_db(r["scope"]), r["action"]) for r in rows]
+
+
+# Fenced (consolidation_holds_lease_v1): a worker that lost its lease marks nothing. Executed with
+# executemany, which asyncpg sends as one pipelined round trip.
 COMMIT_MARKER = """
 UPDATE memories
 SET consolidated_at = CASE WHEN $2 THEN now() END,
-    consolidation_failed_at = CASE WHEN $2 THEN NULL ELSE now() END
+    consolidation_failed_at = CASE WHEN $2 THEN NULL ELSE now() END,
+    consolidation_failed_reason = $6
 WHERE id = $1 AND consolidated_at IS NULL AND consolidation_failed_at IS NULL
-  AND EXISTS (SELECT 1 FROM operations
-              WHERE id = $3 AND worker_id = $4 AND attempt = $5 AND status = 'running')
+  AND consolidation_holds_lease_v1($3, $4, $5)
 """
 
 
@@ -421,11 +433,13 @@ async def commit_wave_markers(
     pool: asyncpg.Pool,
     lease: Lease,
     consolidated: Sequence[uuid.UUID],
-    failed: Sequence[uuid.UUID],
+    failed: Mapping[uuid.UUID, str],
 ) -> None:
-    """Mark a wave's finished memories: ONE executemany, one round trip."""
+    """Mark a wave's finished memories (``failed`` maps each to its reason): ONE executemany,
+    one round trip."""
     fence = (lease.operation_id, lease.worker_id, lease.attempt)
-    args = [(m, True, *fence) for m in consolidated] + [(m, False, *fence) for m in failed]
+    args: list[tuple[Any, ...]] = [(m, True, *fence, None) for m in consolidated]
+    args += [(m, False, *fence, reason) for m, reason in failed.items()]
     if args:
         await pool.executemany(COMMIT_MARKER, args)
 
@@ -449,7 +463,3 @@ class _acquire:
     async def __aexit__(self, *exc: object) -> None:
         if self._conn is not None:
             await self._source.release(self._conn)
-
-
-def scope_keys(scopes: Iterable[Scope]) -> list[str]:
-    return [scope_key(s) for s in scopes]

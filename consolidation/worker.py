@@ -18,7 +18,7 @@ import asyncpg
 import structlog
 
 from consolidation import db, metrics, queue
-from consolidation.engine import EngineConfig, OperationEnd, StopSignal, run_operation
+from consolidation.engine import OperationEnd, StopReason, StopSignal, run_operation
 from consolidation.llm import Consolidator
 from consolidation.settings import Settings
 
@@ -54,7 +54,6 @@ class Worker:
         self.database_url = database_url
         self.llm = llm
         self.worker_id = worker_id
-        self.config = EngineConfig.from_settings(settings)
         self.slots: dict[uuid.UUID, _Slot] = {}
         self._wake = asyncio.Event()
         self._listener: asyncpg.Connection | None = None
@@ -74,7 +73,7 @@ class Worker:
         slot = self.slots.get(operation_id)
         if slot is not None:
             self.log.info("cancel_requested", operation_id=payload)
-            slot.stop.set("cancel")
+            slot.stop.set(StopReason.CANCEL)
 
     async def _ensure_listener(self) -> None:
         """(Re)open the LISTEN connection when it is missing or was closed (a database restart,
@@ -156,7 +155,7 @@ class Worker:
     def _start(self, lease: queue.Lease) -> None:
         stop = StopSignal()
         task = asyncio.create_task(
-            run_operation(self.pool, lease, self.llm, self.config, stop=stop),
+            run_operation(self.pool, lease, self.llm, self.settings, stop=stop),
             name=f"slot-{lease.operation_id}",
         )
         self.slots[lease.operation_id] = _Slot(lease, stop, task)
@@ -216,7 +215,7 @@ class Worker:
             "worker_draining", operations=len(slots), grace_s=self.settings.shutdown_grace_s
         )
         for slot in slots:
-            slot.stop.set("shutdown")
+            slot.stop.set(StopReason.SHUTDOWN)
         tasks = [slot.task for slot in slots]
         _, still_running = await asyncio.wait(tasks, timeout=self.settings.shutdown_grace_s)
         for slot in slots:

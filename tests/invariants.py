@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import asyncpg
 
-from consolidation.store import scope_from_key
+from consolidation.scopes import scopes_from_db
 
 Scope = tuple[str, ...]
 
@@ -89,7 +89,9 @@ async def assert_consistent(pool: asyncpg.Pool, *, allow_pending: bool = False) 
     memories = {
         r["id"]: r
         for r in await pool.fetch(
-            "SELECT id, bank_id, scope_keys, consolidated_at, consolidation_failed_at FROM memories"
+            "SELECT m.id, m.bank_id, m.consolidated_at, m.consolidation_failed_at,"
+            " (SELECT jsonb_agg(s.scope) FROM memory_scopes s WHERE s.memory_id = m.id) AS scopes"
+            " FROM memories m"
         )
     }
     outcomes: dict[tuple[uuid.UUID, Scope], asyncpg.Record] = {}
@@ -120,7 +122,7 @@ async def assert_consistent(pool: asyncpg.Pool, *, allow_pending: bool = False) 
         return observation_id
 
     for memory_id, m in memories.items():
-        scopes = {scope_from_key(k) for k in m["scope_keys"]}
+        scopes = set(scopes_from_db(m["scopes"]))
         journaled = {s for (mid, s) in outcomes if mid == memory_id}
         consolidated = m["consolidated_at"] is not None
         failed = m["consolidation_failed_at"] is not None
@@ -146,7 +148,7 @@ async def assert_consistent(pool: asyncpg.Pool, *, allow_pending: bool = False) 
                     f"memory {memory_id} was {outcome['action']} in {scope} but cites nothing"
                 )
     for memory_id, scope in sources:
-        assert scope in {scope_from_key(k) for k in memories[memory_id]["scope_keys"]}, (
+        assert scope in scopes_from_db(memories[memory_id]["scopes"]), (
             f"memory {memory_id} is a source in {scope}, not one of its write scopes"
         )
     return await census(pool)

@@ -10,9 +10,10 @@ from typing import Any
 import asyncpg
 
 from consolidation import queue, store
-from consolidation.engine import EngineConfig, OperationEnd, StopSignal, run_operation
+from consolidation.engine import OperationEnd, StopSignal, run_operation
 from consolidation.llm import Consolidator, HTTPConsolidator
 from consolidation.memories import parse_memories
+from consolidation.settings import Settings
 
 
 async def ingest(pool: asyncpg.Pool, bank: str, memories: Sequence[dict[str, Any]]) -> list[Any]:
@@ -24,11 +25,11 @@ async def consolidate(
     pool: asyncpg.Pool,
     bank: str,
     llm: Consolidator,
-    config: EngineConfig | None = None,
+    config: Settings | None = None,
     stop: StopSignal | None = None,
 ) -> OperationEnd:
     lease = await queue.start_foreground(pool, bank, "test-worker", 30)
-    return await run_operation(pool, lease, llm, config or EngineConfig(), stop=stop)
+    return await run_operation(pool, lease, llm, config or Settings(), stop=stop)
 
 
 def http_llm(url: str, **overrides: Any) -> HTTPConsolidator:

@@ -350,13 +350,14 @@ async def _insert_observations(
     for i, scope in enumerate(scopes):
         memory_id, observation_id = uuid.uuid4(), uuid.uuid4()
         await pool.execute(
-            "INSERT INTO memories (id, bank_id, text, tags, scope_keys)"
-            " VALUES ($1, $2, $3, $4, $5)",
+            "INSERT INTO memories (id, bank_id, text, tags) VALUES ($1, $2, $3, $4)",
             memory_id,
             bank,
             f"fact {i}",
             scope,
-            ["\x1f".join(scope)],
+        )
+        await pool.execute(
+            "INSERT INTO memory_scopes (memory_id, scope) VALUES ($1, $2)", memory_id, scope
         )
         await pool.execute(
             "INSERT INTO observations (id, bank_id, scope, text) VALUES ($1, $2, $3, $4)",

@@ -13,9 +13,9 @@ import asyncpg
 import pytest
 
 from consolidation import queue
-from consolidation.engine import EngineConfig, run_operation
+from consolidation.engine import run_operation
 from consolidation.fake_llm import FakeLLMServer
-from consolidation.settings import load_settings
+from consolidation.settings import Settings, load_settings
 from consolidation.worker import Worker
 from tests.integration.engine_helpers import http_llm, ingest, topics, wait_for
 from tests.invariants import assert_consistent
@@ -45,7 +45,7 @@ async def test_sessions_terminated_during_every_stage_of_a_pass_never_duplicate_
     )
     llm = http_llm(fake.url)
     fake.control(latency_ms=15, jitter_ms=15)
-    config = EngineConfig(llm_batch_size=2, group_parallelism=3, retry_backoff_s=0)
+    config = Settings(llm_batch_size=2, group_parallelism=3, retry_backoff_s=0)
     killed = 0
 
     async def killer(done: asyncio.Event) -> None:
@@ -229,7 +229,7 @@ async def heartbeat_fault_keeps_the_lease(
     fake.control(latency_ms=500)  # six passes: the operation outlives its lease twice over
     faulty = FaultyPool(pool, "lease_expires_at = now()", error)
     llm = http_llm(fake.url)
-    config = EngineConfig(llm_batch_size=2, lease_s=lease_s)
+    config = Settings(llm_batch_size=2, lease_s=lease_s)
     run = asyncio.create_task(run_operation(faulty, lease, llm, config))  # type: ignore[arg-type]
     taken_over = None
     try:

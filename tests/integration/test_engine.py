@@ -10,9 +10,9 @@ import asyncpg
 import pytest
 
 from consolidation import db, store
-from consolidation.engine import EngineConfig
 from consolidation.fake_llm import FakeLLMServer
 from consolidation.llm import OfflineConsolidator
+from consolidation.settings import Settings
 from tests.integration.engine_helpers import (
     consolidate,
     http_llm,
@@ -38,7 +38,7 @@ async def test_same_scope_calls_never_overlap_while_different_groups_do(
     llm = http_llm(fake.url)
     try:
         end = await consolidate(
-            pool, "b", llm, EngineConfig(wave_size=100, llm_batch_size=2, group_parallelism=8)
+            pool, "b", llm, Settings(wave_size=100, llm_batch_size=2, group_parallelism=8)
         )
     finally:
         await llm.aclose()
@@ -55,7 +55,7 @@ async def test_one_topic_over_several_batches_of_one_scope_ends_in_one_observati
     ids = await ingest(pool, "b", topic("Alice", 10, ["alice"]))
     llm = http_llm(fake.url)
     try:
-        end = await consolidate(pool, "b", llm, EngineConfig(llm_batch_size=3))
+        end = await consolidate(pool, "b", llm, Settings(llm_batch_size=3))
     finally:
         await llm.aclose()
     assert end.status == "completed"
@@ -78,7 +78,7 @@ async def test_a_poisoned_memory_is_isolated_by_splitting_and_marked_failed(
     ids = await ingest(pool, "b", memories)
     llm = http_llm(fake.url)
     try:
-        end = await consolidate(pool, "b", llm, EngineConfig(llm_batch_size=8))
+        end = await consolidate(pool, "b", llm, Settings(llm_batch_size=8))
     finally:
         await llm.aclose()
     assert end.status == "completed"
@@ -149,7 +149,7 @@ async def test_the_markers_of_a_wave_are_written_by_one_statement(
         statements.clear()
         llm = http_llm(fake.url)
         try:
-            end = await consolidate(pool, "b", llm, EngineConfig(wave_size=10, llm_batch_size=4))
+            end = await consolidate(pool, "b", llm, Settings(wave_size=10, llm_batch_size=4))
         finally:
             await llm.aclose()
     assert end.status == "completed" and end.summary.waves == 3
@@ -169,7 +169,7 @@ async def test_a_pass_gets_its_recall_from_the_previous_apply_of_its_group(
         statements.clear()
         llm = http_llm(fake.url)
         try:
-            end = await consolidate(pool, "b", llm, EngineConfig(llm_batch_size=3))
+            end = await consolidate(pool, "b", llm, Settings(llm_batch_size=3))
         finally:
             await llm.aclose()
         by_scope = await observations_by_scope(pool, "b")
@@ -232,7 +232,7 @@ async def test_overlapping_scopes_are_one_group_so_shared_scopes_stay_serial(
     await ingest(pool, "b", memories)
     llm = http_llm(fake.url)
     try:
-        end = await consolidate(pool, "b", llm, EngineConfig(llm_batch_size=2, group_parallelism=8))
+        end = await consolidate(pool, "b", llm, Settings(llm_batch_size=2, group_parallelism=8))
     finally:
         await llm.aclose()
     assert end.status == "completed"
@@ -245,7 +245,7 @@ async def test_a_scoped_operation_only_consolidates_its_scopes(pool: asyncpg.Poo
 
     await ingest(pool, "b", topic("Gina", 2, ["gina"]) + topic("Hal", 2, ["hal"]))
     lease = await queue.start_foreground(pool, "b", "w", 30, scopes=[("gina",)])
-    end = await run_operation(pool, lease, OfflineConsolidator(), EngineConfig())
+    end = await run_operation(pool, lease, OfflineConsolidator(), Settings())
     assert end.status == "completed"
     assert list((await observations_by_scope(pool, "b")).keys()) == [("gina",)]
     assert await markers(pool, "b") == {"consolidated": 2, "failed": 0, "pending": 2}

@@ -19,10 +19,9 @@ import pytest
 
 from consolidation import queue, store
 from consolidation.api import create_app
-from consolidation.engine import EngineConfig
 from consolidation.fake_llm import ANSWER_MARKER, FakeLLMServer
 from consolidation.llm import OfflineConsolidator
-from consolidation.settings import load_settings
+from consolidation.settings import Settings, load_settings
 from tests.integration.engine_helpers import consolidate, http_llm, ingest
 from tests.invariants import assert_consistent
 
@@ -259,7 +258,7 @@ async def test_sql_looking_text_tags_metadata_and_bank_ids_are_stored_and_return
     # Two rounds, so the second recalls the first's observations by full-text search over
     # these texts.
     for _ in range(2):
-        end = await consolidate(pool, SQL_BANK, OfflineConsolidator(), EngineConfig())
+        end = await consolidate(pool, SQL_BANK, OfflineConsolidator(), Settings())
         assert end.status == "completed", end.error
         await ingest(pool, SQL_BANK, [{"text": t, "tags": ["again"]} for t in SQL_TEXTS[:4]])
     stats = (await api.get(f"{bank_path}/stats")).json()

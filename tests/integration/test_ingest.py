@@ -24,12 +24,15 @@ async def test_ingest_stores_memories_with_their_write_scopes(pool: asyncpg.Pool
     result = await store.ingest_memories(pool, "bank-1", memories)
     assert result.inserted == 3
     rows = await pool.fetch(
-        "SELECT id, text, tags, scope_keys, occurred_at FROM memories ORDER BY text"
+        "SELECT m.id, m.text, m.tags, m.occurred_at,"
+        " ARRAY(SELECT array_to_string(s.scope, ',') FROM memory_scopes s"
+        "       WHERE s.memory_id = m.id ORDER BY s.scope) AS scopes"
+        " FROM memories m ORDER BY m.text"
     )
     by_text = {r["text"]: r for r in rows}
-    assert by_text["Alice likes tea"]["scope_keys"] == [store.scope_key(("alice", "prefs"))]
-    assert by_text["Bob likes coffee"]["scope_keys"] == ["bob"]
-    assert by_text["Shared fact"]["scope_keys"] == [""]
+    assert by_text["Alice likes tea"]["scopes"] == ["alice,prefs"]
+    assert by_text["Bob likes coffee"]["scopes"] == ["bob"]
+    assert by_text["Shared fact"]["scopes"] == [""]
     assert by_text["Shared fact"]["occurred_at"].year == 2026
     stats = await store.bank_stats(pool, "bank-1")
     assert (stats.pending, stats.consolidated, stats.failed, stats.observations) == (3, 0, 0, 0)

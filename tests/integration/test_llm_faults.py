@@ -18,7 +18,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from consolidation import queue
-from consolidation.engine import EngineConfig, OperationEnd, run_operation
+from consolidation.engine import OperationEnd, run_operation
 from consolidation.fake_llm import (
     BADJSON_MARKER,
     EMPTY_MARKER,
@@ -28,7 +28,7 @@ from consolidation.fake_llm import (
 )
 from consolidation.llm import Consolidator
 from consolidation.runtime import build_consolidator
-from consolidation.settings import load_settings
+from consolidation.settings import Settings, load_settings
 from tests.integration.engine_helpers import consolidate, http_llm, ingest, markers, wait_for
 from tests.invariants import assert_consistent
 
@@ -46,7 +46,7 @@ def metric(name: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
-async def run_claimed(pool: asyncpg.Pool, llm: Consolidator, config: EngineConfig) -> OperationEnd:
+async def run_claimed(pool: asyncpg.Pool, llm: Consolidator, config: Settings) -> OperationEnd:
     """Claim the due operation like a worker does and run that attempt to its end."""
     lease = await queue.claim(pool, "fault-worker", 30)
     assert lease is not None, "no operation was due"
@@ -99,7 +99,7 @@ async def test_5xx_past_the_retries_fails_the_attempt_marks_nothing_and_the_retr
     await ingest(pool, "b", topic("Bea", 4, ["bea"]))
     op = (await queue.submit(pool, "b", max_attempts=3)).operation
     llm = http_llm(fake.url, max_retries=2)
-    config = EngineConfig(retry_backoff_s=0)
+    config = Settings(retry_backoff_s=0)
     try:
         first = await run_claimed(pool, llm, config)
         row = await operation_row(pool, op.id)
@@ -131,7 +131,7 @@ async def test_a_pass_that_exhausts_its_retries_is_counted_in_the_stored_perf(
     op = (await queue.submit(pool, "b", max_attempts=2)).operation
     llm = http_llm(fake.url, max_retries=2)
     try:
-        end = await run_claimed(pool, llm, EngineConfig(retry_backoff_s=0))
+        end = await run_claimed(pool, llm, Settings(retry_backoff_s=0))
     finally:
         await llm.aclose()
     assert end.status == "pending"
@@ -215,7 +215,7 @@ async def test_a_transient_fault_mid_operation_keeps_applied_work_and_the_retry_
     await ingest(pool, "b", memories)
     op = (await queue.submit(pool, "b", max_attempts=3)).operation
     llm = http_llm(fake.url, max_retries=1)
-    config = EngineConfig(llm_batch_size=2, group_parallelism=1, retry_backoff_s=0)
+    config = Settings(llm_batch_size=2, group_parallelism=1, retry_backoff_s=0)
     try:
         first = await run_claimed(pool, llm, config)
         assert first.status == "pending"
@@ -250,7 +250,7 @@ async def test_an_unusable_answer_is_isolated_by_splitting_and_nothing_is_writte
     op = (await queue.submit(pool, "b", max_attempts=1)).operation
     llm = http_llm(fake.url)
     try:
-        end = await run_claimed(pool, llm, EngineConfig(llm_batch_size=8))
+        end = await run_claimed(pool, llm, Settings(llm_batch_size=8))
     finally:
         await llm.aclose()
     assert end.status == "completed", end.error
@@ -284,7 +284,7 @@ async def test_one_unusable_answer_is_retried_once_without_splitting(
     await ingest(pool, "b", topic("Gus", 4, ["gus"]))
     llm = http_llm(fake.url)
     try:
-        end = await consolidate(pool, "b", llm, EngineConfig(llm_batch_size=4))
+        end = await consolidate(pool, "b", llm, Settings(llm_batch_size=4))
     finally:
         await llm.aclose()
     assert end.status == "completed"
@@ -373,7 +373,7 @@ async def test_a_10_mb_unusable_answer_is_isolated_and_its_error_stays_small(
     op = (await queue.submit(pool, "b", max_attempts=1)).operation
     llm = http_llm(fake.url, timeout_s=60)
     try:
-        end = await run_claimed(pool, llm, EngineConfig())
+        end = await run_claimed(pool, llm, Settings())
     finally:
         await llm.aclose()
     assert end.status == "completed"

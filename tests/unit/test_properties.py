@@ -13,6 +13,7 @@ from itertools import combinations
 from typing import Any
 from uuid import UUID
 
+import orjson
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
@@ -34,9 +35,10 @@ from consolidation.scopes import (
     batched,
     normalize_scope,
     partition,
+    scope_from_db,
+    scopes_from_db,
     write_scopes,
 )
-from consolidation.store import scope_from_key, scope_key
 from tests.unit.test_perf import perf_logs
 
 # --- write scopes -------------------------------------------------------------------------------
@@ -106,7 +108,7 @@ def test_write_scopes_match_the_contract_of_each_mode(tags: list[str], mode: Any
 
 
 @given(_tags, _mode)
-def test_ingestion_resolves_the_same_scopes_and_their_keys_round_trip(
+def test_ingestion_resolves_the_same_scopes_and_they_round_trip_through_their_database_form(
     tags: list[str], mode: Any
 ) -> None:
     try:
@@ -116,8 +118,9 @@ def test_ingestion_resolves_the_same_scopes_and_their_keys_round_trip(
             write_scopes(tags, mode)
         return
     assert memory.scopes == write_scopes(tags, mode)
+    assert scopes_from_db(orjson.loads(orjson.dumps(memory.scopes))) == memory.scopes
     for scope in memory.scopes:
-        assert scope_from_key(scope_key(scope)) == scope
+        assert scope_from_db(list(scope)) == scope
 
 
 # --- grouping real memories into groups and batches -----------------------------------------

@@ -1,0 +1,122 @@
+"""Which passes a wave makes, in which order, with which members (DESIGN §1–2). Pure.
+
+A wave's memories that still have scopes to pass are partitioned into groups whose scopes
+overlap (:func:`scopes.partition`); groups run longest chain first. A group is cut into batches
+of consecutive members; a batch makes one pass per scope its members still write, in sorted
+scope order, each about the members that write that scope. When a pass's answer is unusable, the
+batch (or the piece of it being retried) is split in halves that go to the front, and each half
+plans its passes again from what its members still need — so a memory that failed alone, or a
+scope already applied, is never asked for again.
+
+The engine runs these plans; ``bench/plan.py`` counts the same plans to compute ideal times.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Collection, Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Generic, TypeVar
+
+from consolidation.scopes import Scope, batched, partition
+
+T = TypeVar("T")
+
+# What a member still has to pass: the engine's live answer (it shrinks as passes are applied
+# and becomes empty when the member fails).
+Todo = Callable[[T], Collection[Scope]]
+
+
+@dataclass(frozen=True)
+class Pass(Generic[T]):
+    """One LLM call: ``scope`` for ``members``, made by batch ``batch`` of its group.
+
+    ``part`` is the batch, or the half of it being retried after a split: what splits next.
+    """
+
+    batch: int
+    scope: Scope
+    members: tuple[T, ...]
+    part: tuple[T, ...]
+
+
+def part_passes(batch: int, part: Sequence[T], todo: Todo[T]) -> list[Pass[T]]:
+    """The passes ``part`` makes, in order: one per scope its members still need, sorted."""
+    scopes = sorted({scope for member in part for scope in todo(member)})
+    members = tuple(part)
+    return [
+        Pass(batch, scope, tuple(m for m in members if scope in todo(m)), members)
+        for scope in scopes
+    ]
+
+
+class GroupPlan(Generic[T]):
+    """The passes of one group, strictly in order (batch k+1 recalls what batch k wrote)."""
+
+    def __init__(self, group: Sequence[T], batch_size: int, todo: Todo[T]) -> None:
+        self.batches: list[list[T]] = batched(group, batch_size)
+        self._todo = todo
+        self._queue: deque[tuple[int, list[T]]] = deque(enumerate(self.batches))
+        self._passes: deque[Pass[T]] = deque()
+
+    def next(self) -> Pass[T] | None:
+        """The next pass to make, or None when the group is done. Members that no longer need
+        the pass's scope (they failed meanwhile) are left out; a pass left with none is skipped."""
+        while True:
+            if not self._passes:
+                if not self._queue:
+                    return None
+                batch, part = self._queue.popleft()
+                self._passes.extend(part_passes(batch, part, self._todo))
+                continue
+            planned = self._passes.popleft()
+            current = self._current(planned)
+            if current is not None:
+                return current
+
+    def peek(self) -> Pass[T] | None:
+        """The pass :meth:`next` will return if the one being made now succeeds."""
+        for planned in self._passes:
+            current = self._current(planned)
+            if current is not None:
+                return current
+        for batch, part in self._queue:
+            passes = part_passes(batch, part, self._todo)
+            if passes:
+                return passes[0]
+        return None
+
+    def split(self, failed: Pass[T]) -> None:
+        """An unusable answer for a pass of several members: forget the rest of its part's
+        passes and retry the part as two halves, the first half first."""
+        self._passes.clear()
+        part = list(failed.part)
+        half = (len(part) + 1) // 2
+        self._queue.extendleft([(failed.batch, part[half:]), (failed.batch, part[:half])])
+
+    def _current(self, planned: Pass[T]) -> Pass[T] | None:
+        members = tuple(m for m in planned.members if planned.scope in self._todo(m))
+        if not members:
+            return None
+        return (
+            planned if len(members) == len(planned.members) else replace(planned, members=members)
+        )
+
+
+def planned_passes(group: Sequence[T], batch_size: int, todo: Todo[T]) -> Iterator[Pass[T]]:
+    """The passes of ``group`` when every answer is usable (``todo`` taken as fixed)."""
+    for batch, members in enumerate(batched(group, batch_size)):
+        yield from part_passes(batch, members, todo)
+
+
+def plan_wave(items: Sequence[T], batch_size: int, todo: Todo[T]) -> list[list[T]]:
+    """The groups of a wave, in the order they take a slot: longest chain of passes first.
+
+    A long group started last would finish alone after all the others, leaving the other slots
+    idle until the wave's end (LPT). Ties keep the groups' own order, so the plan depends only on
+    the input. Items with nothing to pass belong to no group.
+    """
+    groups = partition([item for item in items if todo(item)], todo)
+    calls = [sum(1 for _ in planned_passes(group, batch_size, todo)) for group in groups]
+    order = sorted(range(len(groups)), key=lambda i: -calls[i])
+    return [groups[i] for i in order]
