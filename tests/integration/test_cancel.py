@@ -1,0 +1,71 @@
+"""Cancelling an operation keeps and marks every pass it applied (DESIGN §2, Cancellation)."""
+
+from __future__ import annotations
+
+import asyncio
+from urllib.parse import urlsplit
+
+import asyncpg
+
+from consolidation import db, queue
+from consolidation.engine import StopReason, StopSignal, run_operation
+from consolidation.fake_llm import FakeLLMServer
+from consolidation.settings import Settings
+from tests.integration.engine_helpers import http_llm, ingest, topics, wait_for
+from tests.invariants import assert_consistent
+from tests.proxy import TcpProxy
+
+FULLY_JOURNALED_BUT_UNMARKED = """
+SELECT count(*) FROM memories m
+WHERE m.consolidated_at IS NULL AND m.consolidation_failed_at IS NULL
+  AND NOT EXISTS (
+      SELECT 1 FROM memory_scopes s
+      WHERE s.memory_id = m.id
+        AND NOT EXISTS (SELECT 1 FROM consolidation_outcomes o
+                        WHERE o.memory_id = s.memory_id AND o.scope = s.scope))
+"""
+
+
+async def test_a_pass_applied_while_its_operation_is_cancelled_is_marked_and_counted(
+    pool: asyncpg.Pool, database_url: str, fake: FakeLLMServer
+) -> None:
+    # The apply commits on the server, but its reply is held by the network when the cancel
+    # lands: the engine never hears that it succeeded. The journal has the pass all the same,
+    # so the cancelled operation must mark its memories and count them as processed.
+    await ingest(pool, "b", topics(6, 3))
+    fake.control(latency_ms=20)
+    target = urlsplit(database_url)
+    async with TcpProxy(target.hostname or "127.0.0.1", target.port or 5432) as proxy:
+        engine_pool = await db.create_pool(proxy.url(database_url), min_size=1, max_size=12)
+        llm = http_llm(fake.url)
+        try:
+            lease = await queue.start_foreground(pool, "b", "test-worker", 30)
+            stop = StopSignal()
+            settings = Settings(llm_batch_size=1, group_parallelism=6)
+            run = asyncio.create_task(run_operation(engine_pool, lease, llm, settings, stop=stop))
+            journal = "SELECT count(*) FROM consolidation_outcomes"
+            await wait_for(lambda: pool.fetchval(journal), what="a first applied pass")
+            proxy.hold()
+            held_from = await pool.fetchval(journal)
+            await wait_for(
+                lambda: _grew(pool, journal, held_from), what="an apply committed unheard"
+            )
+            stop.set(StopReason.CANCEL)
+            proxy.release()
+            end = await asyncio.wait_for(run, 30)
+        finally:
+            await llm.aclose()
+            await engine_pool.close()
+    assert end.status == "cancelled"
+    assert await pool.fetchval(FULLY_JOURNALED_BUT_UNMARKED) == 0
+    marked = await pool.fetchval(
+        "SELECT count(*) FROM memories"
+        " WHERE consolidated_at IS NOT NULL OR consolidation_failed_at IS NOT NULL"
+    )
+    result = await pool.fetchval("SELECT result FROM operations WHERE id = $1", lease.operation_id)
+    assert marked > 0 and result["processed"] == marked
+    await assert_consistent(pool, allow_pending=True)
+
+
+async def _grew(pool: asyncpg.Pool, query: str, than: int) -> bool:
+    return bool(await pool.fetchval(query) > than)
