@@ -36,7 +36,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import consolidation
 import consolidation.metrics  # registers the project's metrics, so /metrics lists them
-from consolidation import queue, store
+from consolidation import db, queue, store
 from consolidation.errors import NotFound, ValidationError
 from consolidation.memories import (
     MAX_BANK_ID_CHARS,
@@ -67,15 +67,6 @@ _TAG_RE = re.compile(TAG_PATTERN)
 _LISTED_TAG = r"[^\x00-\x1f,]*[^\x00-\x1f,\s][^\x00-\x1f,]*"
 SCOPE_PARAM_PATTERN = rf"^(?:{_LISTED_TAG}(?:,{_LISTED_TAG})*)?$"
 CURSOR_PATTERN = r"^[A-Za-z0-9_-]{21}[AQgw]$"
-
-# Errors that mean "the database cannot be reached", not "the request is wrong".
-DATABASE_DOWN: tuple[type[Exception], ...] = (
-    OSError,  # refused, unreachable, DNS, TimeoutError
-    asyncpg.PostgresConnectionError,
-    asyncpg.InterfaceError,  # includes "pool is closing"
-    asyncpg.exceptions.OperatorInterventionError,  # admin shutdown, cannot connect now
-    asyncpg.exceptions.InsufficientResourcesError,  # too many connections
-)
 
 
 # --- errors --------------------------------------------------------------------------------
@@ -480,7 +471,7 @@ def create_app(settings: Settings, pool: asyncpg.Pool) -> fastapi.FastAPI:
         (ApiError, _on_api_error),
         (ValidationError, _on_validation_error),
         (NotFound, _on_not_found),
-        *((cls, _on_database_down) for cls in DATABASE_DOWN),
+        *((cls, _on_database_down) for cls in db.DATABASE_DOWN),
     ]
     for cls, handler in handlers:
         app.add_exception_handler(cls, handler)

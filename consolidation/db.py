@@ -18,6 +18,17 @@ from consolidation.settings import Settings
 
 log = structlog.get_logger(__name__)
 
+# Errors that mean "the database cannot be reached right now", not "this request or operation is
+# wrong": the API answers 503, and an operation is handed back without spending an attempt.
+DATABASE_DOWN: tuple[type[Exception], ...] = (
+    OSError,  # refused, unreachable, DNS, TimeoutError (a client-side statement timeout)
+    asyncpg.PostgresConnectionError,  # includes a session that was terminated
+    asyncpg.InterfaceError,  # includes "pool is closing"
+    asyncpg.exceptions.InternalClientError,  # a pooled connection the server closed
+    asyncpg.exceptions.OperatorInterventionError,  # shutdown, cannot connect now, timeouts
+    asyncpg.exceptions.InsufficientResourcesError,  # too many connections
+)
+
 # Arbitrary constant: replicas starting together serialise their migrations on it.
 MIGRATION_LOCK_KEY = 0x636F6E73  # "cons"
 

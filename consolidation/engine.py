@@ -17,7 +17,7 @@ from typing import Any
 import asyncpg
 import structlog
 
-from consolidation import metrics, queue, store
+from consolidation import db, metrics, queue, store
 from consolidation.errors import (
     InvalidLLMOutput,
     LeaseLost,
@@ -574,6 +574,17 @@ async def run_operation(
     return end
 
 
+# An attempt that ends because the database was unreachable (a restart, a dropped or terminated
+# session, too many connections) is handed back without spending one of max_attempts, at most
+# this many times per operation; past that it spends attempts like any other error, so an
+# operation whose database keeps failing still ends (docs/reliability.md).
+MAX_INTERRUPTIONS = 20
+MAX_INTERRUPTION_DELAY_S = 300.0
+# The final status write is retried while the database is unreachable, for at most one lease:
+# after that the lease has run out and another worker reclaims the operation anyway.
+END_WRITE_RETRY_S = (0.1, 2.0)
+
+
 async def _finish(
     pool: asyncpg.Pool,
     lease: Lease,
@@ -582,41 +593,89 @@ async def _finish(
     stop: StopSignal,
     summary: RunSummary,
 ) -> OperationEnd:
+    """Record how the attempt ended, retrying the write through a database outage."""
     error: BaseException | None
     error = asyncio.CancelledError() if inner.cancelled() else inner.exception()
+    deadline = time.monotonic() + settings.lease_s
+    delay, max_delay = END_WRITE_RETRY_S
+    while True:
+        try:
+            return await _record_end(pool, lease, settings, error, stop, summary)
+        except LeaseLost as exc:
+            return OperationEnd("lost", summary, str(exc))
+        except db.DATABASE_DOWN as exc:
+            if time.monotonic() + delay > deadline:
+                log.warning(
+                    "operation_end_unrecorded",
+                    operation_id=str(lease.operation_id),
+                    attempt=lease.attempt,
+                    error=repr(exc),
+                    hint="the database stayed unreachable until the lease ran out; a worker "
+                    "reclaims the operation once it is back",
+                )
+                return OperationEnd("unrecorded", summary, _describe(exc))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, max_delay)
+
+
+async def _record_end(
+    pool: asyncpg.Pool,
+    lease: Lease,
+    settings: Settings,
+    error: BaseException | None,
+    stop: StopSignal,
+    summary: RunSummary,
+) -> OperationEnd:
     result = summary.to_json()
-    try:
-        if error is None:
-            await queue.finish(pool, lease, "completed", result=result)
-            return OperationEnd("completed", summary)
-        if stop.reason is StopReason.LEASE_LOST or isinstance(error, LeaseLost):
-            return OperationEnd("lost", summary, str(error) or "lease lost")
-        if stop.reason is StopReason.CANCEL or isinstance(error, OperationCancelled):
-            await queue.finish(
-                pool, lease, "cancelled", result=result, error="cancelled on request"
-            )
-            return OperationEnd("cancelled", summary, "cancelled on request")
-        if stop.reason is StopReason.SHUTDOWN:
-            status = await queue.release(
-                pool,
-                lease,
-                delay_s=0,
-                error="interrupted by shutdown",
-                refund_attempt=True,
-                result=result,
-            )
-            return OperationEnd(status, summary, "interrupted by shutdown")
-        message = _describe(error)
-        if isinstance(error, LLMConfigError) or lease.attempt >= lease.max_attempts:
-            await queue.finish(pool, lease, "failed", result=result, error=message)
-            return OperationEnd("failed", summary, message)
-        delay = settings.retry_backoff_s * 2 ** (lease.attempt - 1)
+    if error is None:
+        await queue.finish(pool, lease, "completed", result=result)
+        return OperationEnd("completed", summary)
+    if stop.reason is StopReason.LEASE_LOST or isinstance(error, LeaseLost):
+        return OperationEnd("lost", summary, str(error) or "lease lost")
+    if stop.reason is StopReason.CANCEL or isinstance(error, OperationCancelled):
+        await queue.finish(pool, lease, "cancelled", result=result, error="cancelled on request")
+        return OperationEnd("cancelled", summary, "cancelled on request")
+    if stop.reason is StopReason.SHUTDOWN:
         status = await queue.release(
-            pool, lease, delay_s=delay, error=message, refund_attempt=False, result=result
+            pool,
+            lease,
+            delay_s=0,
+            error="interrupted by shutdown",
+            refund_attempt=True,
+            result=result,
+        )
+        return OperationEnd(status, summary, "interrupted by shutdown")
+    message = _describe(error)
+    if isinstance(error, db.DATABASE_DOWN) and lease.interruptions < MAX_INTERRUPTIONS:
+        message = f"the database was unreachable ({message}); retried without spending an attempt"
+        log.warning(
+            "operation_interrupted",
+            operation_id=str(lease.operation_id),
+            bank_id=lease.bank_id,
+            attempt=lease.attempt,
+            interruptions=lease.interruptions + 1,
+            error=message,
+        )
+        status = await queue.release(
+            pool,
+            lease,
+            delay_s=min(
+                settings.retry_backoff_s * 2**lease.interruptions, MAX_INTERRUPTION_DELAY_S
+            ),
+            error=message,
+            refund_attempt=True,
+            interrupted=True,
+            result=result,
         )
         return OperationEnd(status, summary, message)
-    except LeaseLost as exc:
-        return OperationEnd("lost", summary, str(exc))
+    if isinstance(error, LLMConfigError) or lease.attempt >= lease.max_attempts:
+        await queue.finish(pool, lease, "failed", result=result, error=message)
+        return OperationEnd("failed", summary, message)
+    delay = settings.retry_backoff_s * 2 ** (lease.attempt - 1)
+    status = await queue.release(
+        pool, lease, delay_s=delay, error=message, refund_attempt=False, result=result
+    )
+    return OperationEnd(status, summary, message)
 
 
 def _describe(error: BaseException) -> str:

@@ -34,6 +34,7 @@ class Lease:
     attempt: int
     scope_filter: tuple[Scope, ...] | None
     max_attempts: int
+    interruptions: int = 0  # earlier attempts handed back because the database was unreachable
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ def _lease_from_row(row: asyncpg.Record) -> Lease:
         attempt=row["attempt"],
         scope_filter=None if raw is None else scopes_from_db(raw),
         max_attempts=row["max_attempts"],
+        interruptions=row["interruptions"],
     )
 
 
@@ -150,7 +152,7 @@ WITH bank AS (
 INSERT INTO operations (id, bank_id, status, scope_filter, attempt, max_attempts, worker_id,
                         lease_expires_at, started_at)
 VALUES ($1, $2, 'running', $3, 1, 1, $4, now() + make_interval(secs => $5), now())
-RETURNING {OPERATION_COLUMNS}, lease_expires_at
+RETURNING {OPERATION_COLUMNS}, lease_expires_at, interruptions
 """
 
 
@@ -234,7 +236,8 @@ SET status = 'running',
     error = NULL
 FROM candidate
 WHERE o.id = candidate.id
-RETURNING o.id, o.bank_id, o.worker_id, o.attempt, o.scope_filter, o.max_attempts, o.status
+RETURNING o.id, o.bank_id, o.worker_id, o.attempt, o.scope_filter, o.max_attempts, o.status,
+          o.interruptions
 """
 
 
@@ -364,6 +367,7 @@ WITH me AS (SELECT id, bank_id, scope_filter FROM operations WHERE {FENCE} FOR U
 UPDATE operations o
 SET status = CASE WHEN EXISTS (SELECT 1 FROM newer) THEN $7 ELSE 'pending' END,
     attempt = o.attempt - CASE WHEN $4 THEN 1 ELSE 0 END,
+    interruptions = o.interruptions + CASE WHEN $9 THEN 1 ELSE 0 END,
     run_after = now() + make_interval(secs => $5),
     error = CASE WHEN EXISTS (SELECT 1 FROM newer)
                  THEN $6 || ' (superseded by pending operation '
@@ -386,10 +390,12 @@ async def release(
     error: str | None,
     refund_attempt: bool,
     result: dict[str, Any] | None = None,
+    interrupted: bool = False,
 ) -> str:
     """Hand an attempt back to ``pending`` (after ``delay_s``); returns the new status.
 
-    ``refund_attempt`` (graceful shutdown) does not spend an attempt. Raises LeaseLost.
+    ``refund_attempt`` (graceful shutdown, database outage) does not spend an attempt;
+    ``interrupted`` counts a database outage in ``interruptions``. Raises LeaseLost.
     """
     superseded_status = "cancelled" if refund_attempt else "failed"
     status = await pool.fetchval(
@@ -400,6 +406,7 @@ async def release(
         error or "",
         superseded_status,
         result,
+        interrupted,
     )
     if status is None:
         raise LeaseLost(f"operation {lease.operation_id} attempt {lease.attempt} is no longer ours")

@@ -11,6 +11,8 @@ from typing import Any
 
 import asyncpg
 import pytest
+import structlog
+import structlog.testing
 
 from consolidation import queue
 from consolidation.engine import run_operation
@@ -30,6 +32,91 @@ BLOCKED_ON_LOCK = """
 SELECT count(*) > 0 FROM pg_stat_activity
 WHERE datname = current_database() AND application_name = $1 AND wait_event_type = 'Lock'
 """
+
+
+async def terminate_mid_apply(
+    pool: asyncpg.Pool, application_name: str, done: asyncio.Event | None = None
+) -> None:
+    """Block an apply of the engine on the journal, then end the engine's sessions, so the
+    fault is certain to land mid-statement and not only on idle connections."""
+    async with pool.acquire() as conn, conn.transaction():
+        await conn.execute("LOCK TABLE consolidation_outcomes IN EXCLUSIVE MODE")
+        await wait_for(
+            lambda: (
+                (done is not None and done.is_set())
+                or pool.fetchval(BLOCKED_ON_LOCK, application_name)
+            ),
+            what="an apply blocked on the journal",
+        )
+        await pool.fetchval(TERMINATE_OTHERS, application_name)
+
+
+async def test_database_outages_hand_the_operation_back_without_spending_attempts(
+    database_url: str, pool: asyncpg.Pool, fake: FakeLLMServer
+) -> None:
+    """Three outages of an operation allowed two attempts: each hands it back as it was (a
+    warning, not an error), and the next attempt completes."""
+    from consolidation import db
+
+    await ingest(pool, "b", topics(3, 4))
+    op = (await queue.submit(pool, "b", max_attempts=2)).operation
+    engine_pool = await db.create_pool(
+        database_url, min_size=1, max_size=4, application_name="engine-under-test"
+    )
+    llm = http_llm(fake.url)
+    fake.control(latency_ms=10)
+    settings = Settings(llm_batch_size=1, group_parallelism=2, retry_backoff_s=0)
+    ends = []
+    try:
+        with structlog.testing.capture_logs() as logs:
+            for _ in range(3):
+                lease = await queue.claim(engine_pool, "w", 30)
+                assert lease is not None and lease.attempt == 1
+                run = asyncio.create_task(run_operation(engine_pool, lease, llm, settings))
+                await terminate_mid_apply(pool, "engine-under-test")
+                ends.append((await run).status)
+        lease = await queue.claim(engine_pool, "w", 30)
+        assert lease is not None
+        end = await run_operation(engine_pool, lease, llm, settings)
+    finally:
+        await llm.aclose()
+        await engine_pool.close()
+    assert ends == ["pending"] * 3
+    assert end.status == "completed"
+    row = await pool.fetchrow("SELECT attempt, interruptions FROM operations WHERE id = $1", op.id)
+    assert (row["attempt"], row["interruptions"]) == (1, 3)
+    interrupted = [e for e in logs if e["event"] == "operation_interrupted"]
+    assert len(interrupted) == 3 and {e["log_level"] for e in interrupted} == {"warning"}
+    assert not [e for e in logs if e["log_level"] in ("error", "critical")]
+    census = await assert_consistent(pool)
+    assert census.consolidated == 12 and census.observations == 3
+
+
+async def test_past_its_bound_a_database_outage_spends_attempts_so_the_operation_still_ends(
+    database_url: str, pool: asyncpg.Pool, fake: FakeLLMServer
+) -> None:
+    from consolidation import db
+    from consolidation.engine import MAX_INTERRUPTIONS
+
+    await ingest(pool, "b", topics(2, 2))
+    op = (await queue.submit(pool, "b", max_attempts=1)).operation
+    await pool.execute(
+        "UPDATE operations SET interruptions = $2 WHERE id = $1", op.id, MAX_INTERRUPTIONS
+    )
+    engine_pool = await db.create_pool(database_url, application_name="engine-under-test")
+    llm = http_llm(fake.url)
+    try:
+        lease = await queue.claim(engine_pool, "w", 30)
+        assert lease is not None
+        run = asyncio.create_task(run_operation(engine_pool, lease, llm, Settings()))
+        await terminate_mid_apply(pool, "engine-under-test")
+        end = await run
+    finally:
+        await llm.aclose()
+        await engine_pool.close()
+    assert end.status == "failed"
+    row = await pool.fetchrow("SELECT status, error FROM operations WHERE id = $1", op.id)
+    assert row["status"] == "failed" and "ConnectionDoesNotExistError" in row["error"]
 
 
 async def test_sessions_terminated_during_every_stage_of_a_pass_never_duplicate_or_lose_work(
@@ -58,16 +145,8 @@ async def test_sessions_terminated_during_every_stage_of_a_pass_never_duplicate_
                 killed += 1
                 await pool.fetchval(TERMINATE_OTHERS, "engine-under-test")
                 continue
-            # Inside an apply: block it on the journal, then end its session, so the fault
-            # is certain to land mid-statement and not only on idle connections.
-            async with pool.acquire() as conn, conn.transaction():
-                await conn.execute("LOCK TABLE consolidation_outcomes IN EXCLUSIVE MODE")
-                await wait_for(
-                    lambda: done.is_set() or pool.fetchval(BLOCKED_ON_LOCK, "engine-under-test"),
-                    what="an apply blocked on the journal",
-                )
-                killed += 1
-                await pool.fetchval(TERMINATE_OTHERS, "engine-under-test")
+            killed += 1
+            await terminate_mid_apply(pool, "engine-under-test", done)
 
     attempts = []
     try:
