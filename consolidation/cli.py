@@ -21,6 +21,7 @@ from consolidation.engine import RunSummary
 from consolidation.errors import ConfigError, ConsolidationError, ValidationError
 from consolidation.logs import configure_logging
 from consolidation.memories import NewMemory, bank_id_problems, content_id, parse_memory
+from consolidation.perf import PerfLog
 from consolidation.queue import Operation
 from consolidation.settings import Settings, load_settings
 
@@ -191,14 +192,14 @@ async def _replay(settings: Settings, bank: str, reset: bool, bar: ProgressBar) 
 def describe_operation(op: Operation) -> str:
     """One human line about a finished operation."""
     result = op.result or {}
-    perf = result.get("perf", {})
+    perf = PerfLog.from_dict(result.get("perf", {}))
     actions = ", ".join(
-        f"{perf.get(k, 0)} {k}"
+        f"{getattr(perf, k)} {k}"
         for k in ("created", "updated", "merged", "multiple", "skipped", "failed")
     )
     line = (
         f"operation {op.id} {op.status}: {result.get('processed', 0)} memories processed "
-        f"({actions}); {perf.get('llm_calls', 0)} LLM calls"
+        f"({actions}); {perf.llm_calls} LLM calls"
     )
     return line + (f"; error: {op.error}" if op.error and op.status != "completed" else "")
 

@@ -195,9 +195,8 @@ class HTTPConsolidator:
     the server refuses schemas, and caps in-flight requests at ``max_concurrent``.
 
     The transport is aiohttp (keep-alive pool of ``max_concurrent`` connections, no redirects
-    followed, ``HTTP(S)_PROXY`` / ``NO_PROXY`` read once). httpx cost ~0.9 ms of CPU per request
-    under 8 concurrent requests against ~0.1 ms for aiohttp (encode/httpx#3215), and at a fast
-    LLM that was half of the engine's CPU (docs/benchmarks.md).
+    followed, ``HTTP(S)_PROXY`` / ``NO_PROXY`` read once): a tenth of httpx's CPU per request
+    under concurrency (docs/benchmarks.md, "What the profiles led to").
     """
 
     def __init__(

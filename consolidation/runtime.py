@@ -40,8 +40,8 @@ def event_loop_name(choice: str) -> str:
 def run(main: Coroutine[Any, Any, T], choice: str = "auto") -> T:
     """Run ``main`` to completion on a new event loop of the chosen kind.
 
-    uvloop is the default where it is installed (every platform but Windows): the benchmark
-    measured 5-10 % less engine CPU on it, the event loop being a fifth of the engine's CPU.
+    uvloop is the default where it is installed (every platform but Windows): the engine needs
+    less CPU on it (docs/benchmarks.md, "What the profiles led to").
     """
     try:
         name = event_loop_name(choice)

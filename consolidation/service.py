@@ -1,7 +1,9 @@
 """``consolidation serve``: the HTTP API and the worker in one process and one event loop.
 
-The process owns SIGTERM/SIGINT (not uvicorn): a signal stops claiming, drains the worker
-within the grace period, stops the API, then exits 0.
+The process owns SIGTERM/SIGINT (not uvicorn). A signal stops the worker claiming and the API
+accepting (requests in flight get up to 5 s), lets the worker drain its running operations
+within the grace period (DESIGN §4), then closes the pool and the LLM client — the reverse of
+start-up — and exits 0.
 """
 
 from __future__ import annotations

@@ -319,7 +319,8 @@ class RecallRequest:
 
 @dataclass(frozen=True)
 class ObservationWrite:
-    """Create (``previous`` empty) or update/merge: ``ids[0]`` keeps, ``ids[1:]`` merge into it."""
+    """One observation a pass writes. ``create``: ``ids`` holds the new observation's id;
+    otherwise an update (one id) or a merge: ``ids[0]`` is kept, ``ids[1:]`` merge into it."""
 
     ids: tuple[uuid.UUID, ...]
     text: str
