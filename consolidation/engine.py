@@ -10,6 +10,8 @@ import asyncio
 import enum
 import time
 import uuid
+from asyncio import FIRST_COMPLETED
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +43,9 @@ from consolidation.scopes import Scope
 from consolidation.settings import Settings
 
 log = structlog.get_logger(__name__)
+
+# Waves queued at once (each holds its memories); more are fetched only while slots would idle.
+MAX_WAVES_IN_FLIGHT = 4
 
 # A failure reason is stored with the memory and shown to operators: the cause, not an essay.
 MAX_FAILURE_REASON_CHARS = 1000
@@ -199,33 +204,93 @@ class OperationRun:
         self.summary = RunSummary()
         self.mission = settings.mission
         self._abort = False
+        self._slots = asyncio.Semaphore(settings.group_parallelism)
+        self._ready_groups = 0  # queued groups that wait only for a slot
+        self._slot_taken = asyncio.Event()
+        self._last_writer: dict[Scope, asyncio.Task[None]] = {}
+        self._waves_launched = 0
+        self._closing = asyncio.Lock()  # one wave's close at a time
         self.log = log.bind(operation_id=str(lease.operation_id), bank_id=lease.bank_id)
 
     async def run(self) -> RunSummary:
-        """Consolidate every pending memory of the bank (within the scope filter)."""
+        """Consolidate every pending memory of the bank (within the scope filter).
+
+        Waves are pipelined: the next wave is fetched and its groups queued while the current
+        one runs, so a slot freed near a wave's end is taken by the next wave's group at once
+        instead of idling until the wave's slowest group is done. A group never starts before
+        the earlier groups that write one of its scopes have finished (a scope's memories are
+        applied in consolidation order, across waves); each wave still gathers its own groups
+        and commits its own markers (:meth:`_run_wave`).
+        """
         self.mission = await store.bank_mission(self.pool, self.lease.bank_id) or self.mission
         self.summary.total = await store.count_pending(
             self.pool, self.lease.bank_id, self.lease.scope_filter
         )
         self._report()
         cursor = None
-        while True:
-            self._checkpoint()
-            wave = await store.fetch_wave(
-                self.pool,
-                self.lease.bank_id,
-                cursor,
-                self.settings.wave_size,
-                self.lease.scope_filter,
-            )
-            if not wave:
-                return self.summary
-            cursor = (wave[-1].order, wave[-1].id)
-            await self._run_wave(wave)
+        exhausted = False
+        in_flight: deque[asyncio.Task[None]] = deque()
+        try:
+            while True:
+                while not exhausted and self._wants_another_wave(len(in_flight)):
+                    self._checkpoint()  # between waves
+                    wave = await store.fetch_wave(
+                        self.pool,
+                        self.lease.bank_id,
+                        cursor,
+                        self.settings.wave_size,
+                        self.lease.scope_filter,
+                    )
+                    if not wave:
+                        exhausted = True
+                        break
+                    cursor = (wave[-1].order, wave[-1].id)
+                    in_flight.append(self._launch_wave(wave))
+                if not in_flight:
+                    return self.summary
+                if in_flight[0].done():
+                    in_flight.popleft().result()  # the wave's error, if any, ends the run
+                    continue
+                # Until the oldest wave is done, or a queued group took a slot (time to queue
+                # the next wave's groups behind the others).
+                self._slot_taken.clear()
+                slot_taken = asyncio.ensure_future(self._slot_taken.wait())
+                try:
+                    await asyncio.wait({in_flight[0], slot_taken}, return_when=FIRST_COMPLETED)
+                finally:
+                    slot_taken.cancel()
+        except asyncio.CancelledError:
+            for task in in_flight:
+                task.cancel()
+            raise
+        finally:
+            # Waves still in flight end first: their running passes finish (or are cancelled
+            # with us) and each commits its markers, before the operation's end is recorded.
+            while in_flight:
+                try:
+                    await asyncio.wait(in_flight)
+                    break
+                except asyncio.CancelledError:
+                    for task in in_flight:
+                        task.cancel()
+
+    def _wants_another_wave(self, waves_in_flight: int) -> bool:
+        """Fetch the next wave while fewer groups are ready to start than there are slots (a
+        slot would otherwise idle), up to MAX_WAVES_IN_FLIGHT waves."""
+        if self._abort:
+            return False  # a group failed for good: the waves in flight end, then its error
+        if waves_in_flight == 0:
+            return True
+        return (
+            waves_in_flight < MAX_WAVES_IN_FLIGHT
+            and self._ready_groups < self.settings.group_parallelism
+        )
 
     # --- waves ----------------------------------------------------------------------------
 
-    async def _run_wave(self, wave: Sequence[store.WaveMemory]) -> None:
+    def _launch_wave(self, wave: Sequence[store.WaveMemory]) -> asyncio.Task[None]:
+        """Plan a wave and queue its groups, each behind the earlier groups that write one of
+        its scopes; returns the wave's task (it ends once its markers are committed)."""
         wanted = None if self.lease.scope_filter is None else set(self.lease.scope_filter)
         states = [
             _MemoryState(
@@ -236,24 +301,66 @@ class OperationRun:
             )
             for m in wave
         ]
+        self._waves_launched += 1
+        number = self._waves_launched
         groups = plan_wave(states, self.settings.llm_batch_size, _MemoryState.remaining)
         reports: list[list[_BatchReport]] = [[] for _ in groups]
-        semaphore = asyncio.Semaphore(self.settings.group_parallelism)
+        tasks = []
+        for index, group in enumerate(groups):
+            scopes = {s for m in group for s in m.todo}
+            before = {
+                self._last_writer[s]
+                for s in scopes
+                if s in self._last_writer and not self._last_writer[s].done()
+            }
+            if not before:
+                self._ready_groups += 1
+            task = asyncio.create_task(
+                self._queue_group(index, group, reports[index], before),
+                name=f"wave-{number}-group-{index}",
+            )
+            for scope in scopes:
+                self._last_writer[scope] = task
+            tasks.append(task)
+        return asyncio.create_task(
+            self._run_wave(number, states, reports, tasks), name=f"wave-{number}"
+        )
 
-        async def run_group(index: int) -> None:
-            async with semaphore:
-                await self._run_group(index, groups[index], reports[index])
+    async def _queue_group(
+        self,
+        index: int,
+        group: Sequence[_MemoryState],
+        reports: list[_BatchReport],
+        before: set[asyncio.Task[None]],
+    ) -> None:
+        if before:
+            await asyncio.wait(before)
+            self._ready_groups += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self._ready_groups -= 1
+        try:
+            self._slot_taken.set()
+            await self._run_group(index, group, reports)
+        finally:
+            self._slots.release()
 
+    async def _run_wave(
+        self,
+        number: int,
+        states: Sequence[_MemoryState],
+        reports: Sequence[Sequence[_BatchReport]],
+        groups: Sequence[asyncio.Task[None]],
+    ) -> None:
+        """Gather the wave's groups, then commit its markers — also when it was cancelled."""
         started = time.monotonic()
         results: list[BaseException | None] | None = None
         try:
-            results = await asyncio.gather(
-                *(run_group(i) for i in range(len(groups))), return_exceptions=True
-            )
+            results = await asyncio.gather(*groups, return_exceptions=True)
         finally:
-            # Applied work stays and gets its markers, even when the wave was cancelled.
             interrupted = results is None or any(results)
-            await asyncio.shield(self._close_wave(states, reports, started, interrupted))
+            await asyncio.shield(self._close_wave(number, states, reports, started, interrupted))
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise _first_error(errors)
@@ -262,6 +369,18 @@ class OperationRun:
 
     async def _close_wave(
         self,
+        number: int,
+        states: Sequence[_MemoryState],
+        reports: Sequence[Sequence[_BatchReport]],
+        started: float,
+        interrupted: bool,
+    ) -> None:
+        async with self._closing:
+            await self._commit_wave(number, states, reports, started, interrupted)
+
+    async def _commit_wave(
+        self,
+        number: int,
         states: Sequence[_MemoryState],
         reports: Sequence[Sequence[_BatchReport]],
         started: float,
@@ -282,7 +401,7 @@ class OperationRun:
                 self.summary.perf += report.perf
                 self.log.info(
                     "batch",
-                    wave=self.summary.waves + 1,
+                    wave=number,
                     group=report.group,
                     batch=report.number,
                     scopes=[list(s) for s in report.scopes],
@@ -302,7 +421,7 @@ class OperationRun:
         self.summary.recovered += recovered
         self.log.info(
             "wave",
-            wave=self.summary.waves,
+            wave=number,
             memories=len(states),
             consolidated=len(consolidated),
             failed=len(failed),

@@ -249,3 +249,39 @@ async def test_a_scoped_operation_only_consolidates_its_scopes(pool: asyncpg.Poo
     assert end.status == "completed"
     assert list((await observations_by_scope(pool, "b")).keys()) == [("gina",)]
     assert await markers(pool, "b") == {"consolidated": 2, "failed": 0, "pending": 2}
+
+
+async def test_waves_are_pipelined_but_a_scope_never_runs_twice_at_once_nor_out_of_order(
+    pool: asyncpg.Pool, fake: FakeLLMServer
+) -> None:
+    # Waves of 4: scope "s" has a chain of three calls in wave 1 and one more in wave 2. The
+    # other groups of wave 2 take free slots while wave 1's chain still runs; wave 2's "s"
+    # group waits for wave 1's, and "s" sees its memories in consolidation order.
+    fake.control(latency_ms=40)
+    order = ["s", "s", "s", "a", "s", "b", "c", "d"]
+    memories = [
+        {
+            "text": f"Note {i} about topic {tag}",
+            "tags": [tag],
+            "occurred_at": f"2026-01-01T00:00:{i:02d}Z",
+        }
+        for i, tag in enumerate(order)
+    ]
+    await ingest(pool, "b", memories)
+    llm = http_llm(fake.url)
+    try:
+        end = await consolidate(
+            pool, "b", llm, Settings(wave_size=4, llm_batch_size=1, group_parallelism=8)
+        )
+    finally:
+        await llm.aclose()
+    assert end.status == "completed" and end.summary.waves == 2
+    stats = fake.stats()
+    assert stats["max_in_flight_per_scope"] == 1
+    calls = {call["fact_texts"][0]: call for call in stats["calls"]}
+    s_calls = sorted((c for c in stats["calls"] if c["scope"] == ["s"]), key=lambda c: c["started"])
+    assert [c["fact_texts"][0] for c in s_calls] == [
+        f"Note {i} about topic s" for i in (0, 1, 2, 4)
+    ]
+    # Pipelined: wave 2's "b" did not wait for wave 1's last call to end.
+    assert calls["Note 5 about topic b"]["started"] < calls["Note 2 about topic s"]["ended"]
