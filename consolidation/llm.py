@@ -281,7 +281,7 @@ class HTTPConsolidator:
         self._auto = response_format == "auto"
         self._form = "json_schema" if self._auto else response_format
         self._form_settled = not self._auto
-        self._form_probe = asyncio.Lock()
+        self._form_probe: asyncio.Future[bool] | None = None
         self._refusals: list[dict[str, Any]] = []
         self._backoff_base_s = backoff_base_s
         self._backoff_max_s = backoff_max_s
@@ -397,13 +397,27 @@ class HTTPConsolidator:
         )
 
     async def _attempt(self, chat: prompts.Chat, retries: int, budget: _Budget) -> LLMAnswer:
-        if not self._form_settled:
-            # Until the endpoint has answered one form, one request at a time probes it; the
-            # others wait for the verdict rather than all collect the same refusal.
-            async with self._form_probe:
-                if not self._form_settled:
-                    return await self._send(chat, self._form, retries, budget)
+        # Until the endpoint has accepted a form, one request at a time probes it; the others
+        # wait for its verdict rather than all collect the same refusal. A probe that ends
+        # without one (a timeout, a 503) lets them all go: a slow endpoint must not make the
+        # passes queue behind each other's timeouts.
+        while not self._form_settled:
+            probe = self._form_probe
+            if probe is None:
+                return await self._probe(chat, retries, budget)
+            if not await asyncio.shield(probe):
+                break
         return await self._send(chat, self._form, retries, budget)
+
+    async def _probe(self, chat: prompts.Chat, retries: int, budget: _Budget) -> LLMAnswer:
+        form = self._form
+        probe = self._form_probe = asyncio.get_running_loop().create_future()
+        try:
+            return await self._send(chat, form, retries, budget)
+        finally:
+            self._form_probe = None
+            # A verdict: the form was accepted, or refused and the next one is current.
+            probe.set_result(self._form_settled or self._form != form)
 
     async def _send(
         self, chat: prompts.Chat, form: str, retries: int, budget: _Budget

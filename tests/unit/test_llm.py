@@ -516,6 +516,21 @@ async def test_auto_probes_once_while_many_passes_start_together(make_client: An
         assert len([e for e in logs if e["event"] == "llm_response_format"]) == 1
 
 
+async def test_passes_do_not_queue_behind_a_probe_that_times_out(make_client: Any) -> None:
+    with FakeLLMServer() as fake:
+        fake.control(script=[{"hang": True}] * 4)
+        client = make_client(fake.url, timeout_s=0.3, max_retries=0)
+        results = await asyncio.gather(
+            *(client.complete(chat(f"fact {i}", scope=(f"s{i}",))) for i in range(4)),
+            return_exceptions=True,
+        )
+        assert all(isinstance(r, LLMRetriesExhausted) for r in results)
+        # The probe hung alone; once it timed out without a verdict the other three went
+        # together (queued one by one, at most two would overlap: one leaving, one arriving).
+        assert fake.stats()["max_in_flight"] >= 3
+        assert client.response_format_mode == "json_schema"
+
+
 async def test_auto_gives_a_config_error_when_every_form_is_refused(
     fake: FakeLLMServer, make_client: Any
 ) -> None:
