@@ -245,12 +245,13 @@ async def test_a_transient_fault_mid_operation_keeps_applied_work_and_the_retry_
 # --- unusable answers -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("marker", [BADJSON_MARKER, TRUNCATE_MARKER, POISON_MARKER, EMPTY_MARKER])
-async def test_an_unusable_answer_is_isolated_by_splitting_and_nothing_is_written_from_it(
-    pool: asyncpg.Pool, fake: FakeLLMServer, marker: str
-) -> None:
+async def one_batch_with_a_marked_memory(
+    pool: asyncpg.Pool, fake: FakeLLMServer, marker: str, index: int
+) -> tuple[list[Any], queue.Operation, OperationEnd]:
+    """Eight near-identical memories in one batch, the ``index``-th carrying ``marker``, run as
+    an operation's only attempt: the memory ids, the operation and how it ended."""
     memories = topic("Fay", 8, ["fay"])
-    memories[3]["text"] = f"Fay drinks green tea, cup 3 {marker}"
+    memories[index]["text"] = f"Fay drinks green tea, cup {index} {marker}"
     ids = await ingest(pool, "b", memories)
     op = (await queue.submit(pool, "b", max_attempts=1)).operation
     llm = http_llm(fake.url)
@@ -258,6 +259,14 @@ async def test_an_unusable_answer_is_isolated_by_splitting_and_nothing_is_writte
         end = await run_claimed(pool, llm, Settings(llm_batch_size=8))
     finally:
         await llm.aclose()
+    return ids, op, end
+
+
+@pytest.mark.parametrize("marker", [BADJSON_MARKER, TRUNCATE_MARKER, POISON_MARKER, EMPTY_MARKER])
+async def test_an_unusable_answer_is_isolated_by_splitting_and_nothing_is_written_from_it(
+    pool: asyncpg.Pool, fake: FakeLLMServer, marker: str
+) -> None:
+    ids, op, end = await one_batch_with_a_marked_memory(pool, fake, marker, 3)
     assert end.status == "completed", end.error
     failed = await pool.fetch("SELECT id FROM memories WHERE consolidation_failed_at IS NOT NULL")
     assert [r["id"] for r in failed] == [ids[3]]
@@ -403,15 +412,7 @@ async def test_a_10_mb_unusable_answer_is_isolated_and_its_error_stays_small(
 async def test_an_unusable_answer_is_repaired_by_showing_the_model_its_problems(
     pool: asyncpg.Pool, fake: FakeLLMServer
 ) -> None:
-    memories = topic("Lea", 8, ["lea"])
-    memories[5]["text"] = f"Lea drinks green tea, cup 5 {REPAIRABLE_MARKER}"
-    await ingest(pool, "b", memories)
-    op = (await queue.submit(pool, "b", max_attempts=1)).operation
-    llm = http_llm(fake.url)
-    try:
-        end = await run_claimed(pool, llm, Settings(llm_batch_size=8))
-    finally:
-        await llm.aclose()
+    _, op, end = await one_batch_with_a_marked_memory(pool, fake, REPAIRABLE_MARKER, 5)
     assert end.status == "completed", end.error
     perf = end.summary.perf
     assert (perf.llm_calls, perf.llm_failures, perf.splits, perf.failed) == (2, 1, 0, 0)
