@@ -32,7 +32,8 @@ status sent), ``aborted`` (client left first), ``in_flight``, ``max_in_flight``,
 ``fact_texts``, ``status`` (None while in flight or when aborted), ``started``/``ended``
 (``time.monotonic()`` of this process), ``response_format`` (the requested type), ``schema``
 (whether a schema came with it), ``max_tokens`` (None when absent), ``roles`` (of the messages,
-in order) and ``messages`` (their contents, in order).
+in order), ``instructed`` (whether the first user message has instructions before the §3 object)
+and ``turns`` (the contents of the messages after it: a repair's answer and note).
 """
 
 from __future__ import annotations
@@ -137,10 +138,17 @@ class _Parsed:
     instructed_user: bool = False
 
     @property
+    def turns(self) -> tuple[str, ...]:
+        """The contents of the messages after the first user message (a repair's)."""
+        roles = [role for role, _ in self.messages]
+        if "user" not in roles:
+            return ()
+        return tuple(content for _, content in self.messages[roles.index("user") + 1 :])
+
+    @property
     def repair(self) -> bool:
         """A previous answer and a note about it follow the first user message."""
-        roles = [role for role, _ in self.messages]
-        return "assistant" in roles[roles.index("user") :] if "user" in roles else False
+        return bool(self.turns)
 
 
 @dataclass(frozen=True)
@@ -532,7 +540,8 @@ class _FakeLLM:
                 "schema": parsed.schema,
                 "max_tokens": parsed.max_tokens,
                 "roles": [role for role, _ in parsed.messages],
-                "messages": [content for _, content in parsed.messages],
+                "instructed": parsed.instructed_user,
+                "turns": list(parsed.turns),
             }
             self._calls.append(record)
             self._requests += 1

@@ -420,9 +420,9 @@ async def test_an_unusable_answer_is_repaired_by_showing_the_model_its_problems(
     first, repair = fake.stats()["calls"]
     assert first["roles"] == ["system", "user"]
     assert repair["roles"] == ["system", "user", "assistant", "user"]
-    assert "f9999" in repair["messages"][2]
-    assert "unknown fact ref 'f9999'" in repair["messages"][3]
-    assert repair["messages"][:2] == first["messages"]
+    assert "f9999" in repair["turns"][0]
+    assert "unknown fact ref 'f9999'" in repair["turns"][1]
+    assert repair["fact_texts"] == first["fact_texts"]
     row = await operation_row(pool, op.id)
     assert row.result is not None
     assert (row.result["perf"]["llm_repairs"], row.result["perf"]["llm_repaired"]) == (1, 1)

@@ -318,7 +318,8 @@ async def test_records_response_format_schema_max_tokens_and_roles(
     ]
     assert calls[0]["roles"] == ["system", "user"]
     assert calls[2]["roles"] == ["system", "user", "assistant", "user"]
-    assert calls[2]["messages"][2:] == ["{}", "fix it"]
+    assert calls[2]["turns"] == ["{}", "fix it"]
+    assert [c["instructed"] for c in calls] == [False, False, False]
     # The §3 object is found in the first user message, not in the repair note.
     assert calls[2]["fact_texts"] == ["a"] and calls[2]["status"] == 200
 

@@ -617,16 +617,11 @@ async def test_system_role_user_reaches_a_template_that_drops_the_system_message
 ) -> None:
     with FakeLLMServer(FakeLLMConfig(drop_system=True)) as fake:
         client = make_client(fake.url, system_role=system_role)
-        question = chat("Alice lives in Paris.")
-        answer = await client.complete(question)
+        answer = await client.complete(chat("Alice lives in Paris."))
         (call,) = fake.stats()["calls"]
-    if system_role == "user":
-        assert call["roles"] == ["user"]
-        (content,) = call["messages"]
-        assert content.startswith(SYSTEM)
-        assert content.endswith("\n" + question.user)
-    else:
-        assert call["roles"] == ["system", "user"]
+    assert call["roles"] == (["user"] if system_role == "user" else ["system", "user"])
+    assert call["instructed"] is usable
+    assert call["fact_texts"] == ["Alice lives in Paris."]
     # Without the instructions the model answers prose; with them in the user message, JSON.
     assert answer.content.startswith("{") is usable
 
@@ -643,8 +638,8 @@ async def test_a_repair_is_sent_as_an_assistant_turn_and_a_user_turn(
     await make_client(fake.url, system_role=system_role).complete(prompts.repair_chat(first, error))
     (call,) = fake.stats()["calls"]
     assert call["roles"] == roles
-    assert call["messages"][-2] == '{"creates": []'
-    assert "not valid JSON" in call["messages"][-1]
+    assert call["turns"][0] == '{"creates": []'
+    assert "not valid JSON" in call["turns"][1]
     assert call["fact_texts"] == ["Alice lives in Paris."]
 
 
