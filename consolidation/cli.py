@@ -235,16 +235,25 @@ def cmd_fake_llm(args: argparse.Namespace, settings: Settings) -> int:
 
     if not 0.0 <= args.fail_rate <= 1.0:
         raise CLIError("--fail-rate must be between 0 and 1")
-    config = FakeLLMConfig(
-        latency_ms=args.latency_ms,
-        jitter_ms=args.jitter_ms,
-        fail_rate=args.fail_rate,
-        fail_status=args.fail_status,
-        retry_after_s=args.retry_after,
-        pad_bytes=args.pad_bytes,
-        api_key=args.api_key,
-        seed=args.seed,
-    )
+    try:
+        config = FakeLLMConfig(
+            latency_ms=args.latency_ms,
+            jitter_ms=args.jitter_ms,
+            fail_rate=args.fail_rate,
+            fail_status=args.fail_status,
+            retry_after_s=args.retry_after,
+            pad_bytes=args.pad_bytes,
+            api_key=args.api_key,
+            seed=args.seed,
+            dialect=args.dialect,
+            honour_max_tokens=not args.ignore_max_tokens,
+            think=args.think,
+            reasoning_content=args.reasoning_content,
+            drop_system=args.drop_system,
+            envelope=args.envelope,
+        )
+    except ValueError as exc:
+        raise CLIError(str(exc)) from None
     try:
         serve(args.host, args.port, config)
     except OSError as exc:
@@ -305,6 +314,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pad-bytes", type=int, default=0, help="whitespace added to every answer")
     p.add_argument("--api-key", default=None, help="require this bearer key")
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument(
+        "--dialect",
+        default="openai",
+        help="the server to imitate: openai (default), llama-cpp-python, no-schema or "
+        "json-object-only (how each treats response_format: see consolidation/fake_llm.py)",
+    )
+    p.add_argument(
+        "--ignore-max-tokens", action="store_true", help="never cut an answer at max_tokens"
+    )
+    p.add_argument("--think", action="store_true", help="put a <think> block before answers")
+    p.add_argument(
+        "--reasoning-content", action="store_true", help="add reasoning_content to answers"
+    )
+    p.add_argument(
+        "--drop-system", action="store_true", help="play a chat template that drops system"
+    )
+    p.add_argument(
+        "--envelope",
+        default="completion",
+        help="completion (default); html or no-choices answer 200 with a body that is not one",
+    )
     p.set_defaults(handler=cmd_fake_llm)
     return parser
 

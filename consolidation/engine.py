@@ -30,13 +30,15 @@ from consolidation.llm import Consolidator, LLMRetriesExhausted
 from consolidation.perf import PerfLog
 from consolidation.plan import GroupPlan, Pass, plan_wave
 from consolidation.prompts import (
-    SYSTEM_PROMPT,
+    Chat,
     FactInput,
     ObservationInput,
     PassPlan,
     PassRequest,
     build_request,
     parse_answer,
+    pass_chat,
+    repair_chat,
 )
 from consolidation.queue import Lease
 from consolidation.scopes import Scope
@@ -535,9 +537,10 @@ class OperationRun:
             [ObservationInput(o.id, o.text, o.sources, o.updated_at) for o in recalled],
         )
         upcoming_recall = None if upcoming is None else self._recall_request(upcoming)
+        chat = pass_chat(request)
         for attempt in (1, 2):
             try:
-                answer = await self._ask(request, perf)
+                answer = await self._ask(request, chat, perf)
                 write = _pass_write(self.lease, step, answer)
                 started = time.monotonic()
                 try:
@@ -550,7 +553,14 @@ class OperationRun:
                 perf.llm_failures += 1
                 if attempt == 2:
                     raise
-                self.log.info("unusable_answer_retry", scope=list(step.scope), reason=str(exc))
+                # The retry shows the model its answer and what is wrong with it.
+                chat = repair_chat(chat, exc)
+                self.log.info(
+                    "unusable_answer_retry",
+                    scope=list(step.scope),
+                    reason=str(exc),
+                    repair=chat.repair,
+                )
                 continue
             for member, outcome in zip(step.members, write.outcomes, strict=True):
                 member.applied[step.scope] = outcome.action
@@ -559,12 +569,13 @@ class OperationRun:
             return RecallAhead(upcoming_recall, fetched)
         raise AssertionError("unreachable")
 
-    async def _ask(self, request: PassRequest, perf: PerfLog) -> PassPlan:
+    async def _ask(self, request: PassRequest, chat: Chat, perf: PerfLog) -> PassPlan:
         started = time.monotonic()
         perf.llm_calls += 1
-        perf.prompt_chars += len(SYSTEM_PROMPT) + len(request.user_content)
+        perf.llm_repairs += int(chat.repair)
+        perf.prompt_chars += chat.prompt_chars
         try:
-            answer = await self.llm.complete(SYSTEM_PROMPT, request.user_content)
+            answer = await self.llm.complete(chat)
         except LLMRetriesExhausted as exc:
             # The stored result must say the pass was retried, not only that it failed.
             perf.llm_retries += exc.attempts - 1
@@ -574,7 +585,9 @@ class OperationRun:
         perf.llm_retries += answer.retries
         perf.prompt_tokens += answer.prompt_tokens
         perf.completion_tokens += answer.completion_tokens
-        return parse_answer(answer.content, request)
+        plan = parse_answer(answer.content, request)
+        perf.llm_repaired += int(chat.repair)
+        return plan
 
 
 def _pass_write(lease: Lease, step: Pass[_MemoryState], plan: PassPlan) -> store.PassWrite:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class ConsolidationError(Exception):
     """Base class for every error this package raises on purpose."""
@@ -33,11 +35,30 @@ class TransientLLMError(LLMError):
 
 class InvalidLLMOutput(LLMError):
     """The LLM answered, but the answer is unusable (not JSON, schema violation, unknown ref,
-    truncated, HTTP 400/422). The pass is retried once, then its batch is split."""
+    truncated, HTTP 400/422). The pass is retried once, then its batch is split.
+
+    ``answer`` is the assistant content when there was one, ``problems`` what is wrong with it
+    (short sentences) and ``truncated`` whether ``max_tokens`` cut it off: the retry sends them
+    back to the model so it can correct itself.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        answer: str | None = None,
+        problems: Sequence[str] = (),
+        truncated: bool = False,
+    ) -> None:
+        super().__init__(message)
+        self.answer = answer
+        self.problems = tuple(problems)
+        self.truncated = truncated
 
 
 class LLMConfigError(LLMError):
-    """401/403/404 from the LLM endpoint: the configuration is wrong; fail the operation at once."""
+    """401/403/404 from the LLM endpoint, or a refused ``response_format``: the configuration is
+    wrong; fail the operation at once."""
 
 
 class LeaseLost(ConsolidationError):

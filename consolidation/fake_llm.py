@@ -8,15 +8,32 @@ records what it saw (``GET /_stats``) so tests can assert on concurrency and tim
 Poison markers in a fact's text spoil the answer of the whole request containing that fact:
 ``[[poison]]`` cites the unknown ref ``f9999``, ``[[badjson]]`` answers ``this is not json``,
 ``[[truncate]]`` cuts the answer in half with ``finish_reason: "length"``, ``[[empty]]`` answers
-an empty content. ``[[answer]]`` plays a model that obeys instructions injected into a memory: the
-assistant content is the rest of the first fact text containing the marker, sent verbatim.
+an empty content, ``[[repairable]]`` spoils it like ``[[poison]]`` unless the request carries a
+repair (the previous answer and its problems), as a model that corrects itself when told what is
+wrong. ``[[answer]]`` plays a model that obeys instructions injected into a memory: the assistant
+content is the rest of the first fact text containing the marker, sent verbatim.
+
+Real servers differ (``FakeLLMConfig``, also ``consolidation fake-llm`` flags): ``dialect``
+``openai`` accepts every ``response_format``; ``llama-cpp-python`` refuses ``json_schema`` with a
+500 carrying a pydantic ``literal_error`` and honours ``{"type": "json_object", "schema": …}``;
+``no-schema`` refuses ``json_schema`` with a 400 and ignores a schema sent with ``json_object``;
+``json-object-only`` also refuses that schema (400). ``max_tokens`` is honoured (the answer is
+cut, ``finish_reason: "length"``) unless ``honour_max_tokens`` is off; tokens are characters / 4
+and ``pad_bytes`` whitespace is free (it models a big body, not a long generation). ``think``
+puts a ``<think>…</think>`` block before the answer, ``reasoning_content`` adds that field beside
+it, ``drop_system`` plays a chat template that drops the system message (a model left without
+instructions answers prose), ``envelope`` answers 200 with an ``html`` page or a ``no-choices``
+JSON body instead of a chat completion.
 
 Stats (``stats()`` or ``GET /_stats``): ``requests``, ``completed`` (200 sent), ``failed`` (other
 status sent), ``aborted`` (client left first), ``in_flight``, ``max_in_flight``,
 ``max_in_flight_per_scope`` (same (bank, scope) at once), ``max_distinct_scopes_in_flight``,
 ``statuses`` and ``calls`` (arrival order, the last ``MAX_RECORDED_CALLS``): ``bank``, ``scope``,
 ``fact_texts``, ``status`` (None while in flight or when aborted), ``started``/``ended``
-(``time.monotonic()`` of this process) and ``response_format`` (the requested type).
+(``time.monotonic()`` of this process), ``response_format`` (the requested type), ``schema``
+(whether a schema came with it), ``max_tokens`` (None when absent), ``roles`` (of the messages,
+in order), ``instructed`` (whether the first user message has instructions before the §3 object)
+and ``turns`` (the contents of the messages after it: a repair's answer and note).
 """
 
 from __future__ import annotations
@@ -24,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import random
 import socket
 import threading
@@ -42,7 +60,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from consolidation import offline
+from consolidation import offline, prompts
 from consolidation.service import listen_socket
 
 __all__ = ["FakeLLMConfig", "FakeLLMServer", "create_app", "serve"]
@@ -57,6 +75,10 @@ BADJSON_MARKER = "[[badjson]]"
 TRUNCATE_MARKER = "[[truncate]]"
 EMPTY_MARKER = "[[empty]]"
 ANSWER_MARKER = "[[answer]]"
+REPAIRABLE_MARKER = "[[repairable]]"
+
+DIALECTS = ("openai", "llama-cpp-python", "no-schema", "json-object-only")
+ENVELOPES = ("completion", "html", "no-choices")
 
 _CHAT_PATHS = ("/chat/completions", "/v1/chat/completions")
 
@@ -80,6 +102,18 @@ class FakeLLMConfig:
     pad_bytes: int = 0
     api_key: str | None = None
     seed: int | None = None
+    dialect: str = "openai"
+    honour_max_tokens: bool = True
+    think: bool = False
+    reasoning_content: bool = False
+    drop_system: bool = False
+    envelope: str = "completion"
+
+    def __post_init__(self) -> None:
+        if self.dialect not in DIALECTS:
+            raise ValueError(f"dialect must be one of {DIALECTS}, got {self.dialect!r}")
+        if self.envelope not in ENVELOPES:
+            raise ValueError(f"envelope must be one of {ENVELOPES}, got {self.envelope!r}")
 
 
 _CONFIG_FIELDS = frozenset(field.name for field in dataclasses.fields(FakeLLMConfig))
@@ -97,6 +131,24 @@ class _Parsed:
     prompt_chars: int
     response_format: str | None
     problem: str | None
+    schema: bool = False
+    max_tokens: int | None = None
+    messages: tuple[tuple[str, str], ...] = ()
+    # Whether the first user message carries instructions before the §3 object.
+    instructed_user: bool = False
+
+    @property
+    def turns(self) -> tuple[str, ...]:
+        """The contents of the messages after the first user message (a repair's)."""
+        roles = [role for role, _ in self.messages]
+        if "user" not in roles:
+            return ()
+        return tuple(content for _, content in self.messages[roles.index("user") + 1 :])
+
+    @property
+    def repair(self) -> bool:
+        """A previous answer and a note about it follow the first user message."""
+        return bool(self.turns)
 
 
 @dataclass(frozen=True)
@@ -110,7 +162,7 @@ class _Plan:
     body: str | None = None
     content: str | None = None
     finish_reason: str = "stop"
-    pad_bytes: int = 0
+    config: FakeLLMConfig = dataclasses.field(default_factory=FakeLLMConfig)
 
 
 def _error_body(message: str, code: int) -> bytes:
@@ -126,13 +178,32 @@ def _error_body(message: str, code: int) -> bytes:
     return orjson.dumps({"error": {"message": message, "type": kind, "code": code}})
 
 
+_THINKING = (
+    "<think>\nThe facts and observations are listed; I answer with one JSON object.\n</think>\n\n"
+)
+_REASONING = "The facts and observations are listed; I answer with one JSON object."
+_UNINSTRUCTED = "Thank you for the facts! What would you like me to do with them?"
+_HTML_PAGE = (
+    "<html><head><title>502 Bad Gateway</title></head><body><center><h1>502 Bad Gateway</h1>"
+    "</center><hr><center>nginx</center></body></html>"
+)
+# What llama-cpp-python 0.3.x answers to {"type": "json_schema", ...}: its pydantic request model
+# accepts only text and json_object, and the validation error surfaces as a 500.
+_LLAMA_CPP_PYTHON_REFUSAL = (
+    "[{'type': 'literal_error', 'loc': ('body', 'response_format', 'type'), "
+    "'msg': \"Input should be 'text' or 'json_object'\", 'input': 'json_schema', "
+    "'ctx': {'expected': \"'text' or 'json_object'\"}}]"
+)
+
+
 def _parse(body: bytes) -> _Parsed:
     """Read the request leniently; ``problem`` says why it cannot be answered (→ 400)."""
     model = "fake"
-    problem: str | None = None
     user: dict[str, Any] | None = None
     prompt_chars = 0
     response_format: str | None = None
+    schema = False
+    max_tokens: int | None = None
     try:
         request = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -144,32 +215,40 @@ def _parse(body: bytes) -> _Parsed:
     fmt = request.get("response_format")
     if isinstance(fmt, dict) and isinstance(fmt.get("type"), str):
         response_format = fmt["type"]
-    messages = request.get("messages")
-    user_content: str | None = None
-    if isinstance(messages, list):
-        for message in messages:
-            if isinstance(message, dict) and isinstance(message.get("content"), str):
-                prompt_chars += len(message["content"])
-                if message.get("role") == "user":
-                    user_content = message["content"]
+        inner = fmt.get("json_schema")
+        schema = isinstance(fmt.get("schema"), dict) or (
+            isinstance(inner, dict) and isinstance(inner.get("schema"), dict)
+        )
+    if isinstance(request.get("max_tokens"), int) and not isinstance(request["max_tokens"], bool):
+        max_tokens = request["max_tokens"]
+    messages: list[tuple[str, str]] = []
+    raw_messages = request.get("messages")
+    for message in raw_messages if isinstance(raw_messages, list) else []:
+        if isinstance(message, dict) and isinstance(message.get("content"), str):
+            messages.append((str(message.get("role")), message["content"]))
+            prompt_chars += len(message["content"])
+    # The §3 object is in the first user message; later ones are repair notes.
+    user_content = next((content for role, content in messages if role == "user"), None)
+    parsed = functools.partial(
+        _Parsed,
+        model=model,
+        prompt_chars=prompt_chars,
+        response_format=response_format,
+        schema=schema,
+        max_tokens=max_tokens,
+        messages=tuple(messages),
+    )
     if user_content is None:
         problem = "messages must contain a user message with string content"
-    else:
-        try:
-            loaded = orjson.loads(user_content)
-        except orjson.JSONDecodeError:
-            loaded = None
-        if isinstance(loaded, dict):
-            user = loaded
-        else:
-            problem = "the user message content is not the JSON object of DESIGN §3"
+        return parsed(user=None, bank=None, scope=None, fact_texts=(), problem=problem)
+    user = prompts.find_request_object(user_content)
     if user is None:
-        return _Parsed(model, None, None, None, (), prompt_chars, response_format, problem)
+        problem = "the user message content does not end with the JSON object of DESIGN §3"
+        return parsed(user=None, bank=None, scope=None, fact_texts=(), problem=problem)
     bank = user.get("bank")
     scope = user.get("scope")
     facts = user.get("facts")
-    return _Parsed(
-        model=model,
+    return parsed(
         user=user,
         bank=bank if isinstance(bank, str) else None,
         scope=tuple(str(t) for t in scope) if isinstance(scope, list) else (),
@@ -178,40 +257,94 @@ def _parse(body: bytes) -> _Parsed:
             for fact in (facts if isinstance(facts, list) else [])
             if isinstance(fact, dict) and isinstance(fact.get("text"), str)
         ),
-        prompt_chars=prompt_chars,
-        response_format=response_format,
         problem=None,
+        instructed_user=not _is_json_object(user_content),
     )
 
 
-def _answer_content(parsed: _Parsed, pad_bytes: int) -> tuple[str, str]:
-    """The assistant content and finish_reason for a request, poison markers applied."""
+def _is_json_object(content: str) -> bool:
+    try:
+        return isinstance(orjson.loads(content), dict)
+    except orjson.JSONDecodeError:
+        return False
+
+
+def _refusal(dialect: str, parsed: _Parsed) -> _Plan | None:
+    """How ``dialect`` refuses the request's response_format, if it does."""
+    if parsed.response_format == "json_schema":
+        if dialect == "llama-cpp-python":
+            return _Plan(
+                status=500,
+                body=orjson.dumps(
+                    {
+                        "error": {
+                            "message": _LLAMA_CPP_PYTHON_REFUSAL,
+                            "type": "internal_server_error",
+                            "param": None,
+                            "code": None,
+                        }
+                    }
+                ).decode(),
+            )
+        if dialect in ("no-schema", "json-object-only"):
+            return _Plan(
+                status=400,
+                body="response_format type 'json_schema' is not supported; use 'json_object'",
+            )
+    if parsed.response_format == "json_object" and parsed.schema and dialect == "json-object-only":
+        return _Plan(
+            status=400, body="Unrecognized request argument supplied: response_format.schema"
+        )
+    return None
+
+
+def _tokens(text: str) -> int:
+    return (len(text) + 3) // 4
+
+
+def _answer_content(parsed: _Parsed, config: FakeLLMConfig) -> tuple[str, str, int]:
+    """The assistant content, finish_reason and completion tokens for a request, poison
+    markers, thinking, ``max_tokens`` and padding applied."""
     texts = "\n".join(parsed.fact_texts)
     for text in parsed.fact_texts:
         if ANSWER_MARKER in text:
-            return text.split(ANSWER_MARKER, 1)[1], "stop"
-    if BADJSON_MARKER in texts:
-        return "this is not json", "stop"
-    if EMPTY_MARKER in texts:
-        return "", "stop"
-    if POISON_MARKER in texts:
-        answer: dict[str, Any] = {
-            "creates": [
-                {"text": "An observation citing a fact that does not exist.", "facts": ["f9999"]}
-            ],
-            "updates": [],
-            "merges": [],
-        }
+            content = text.split(ANSWER_MARKER, 1)[1]
+            return content, "stop", _tokens(content)
+    if config.drop_system and not parsed.instructed_user:
+        # The template dropped the instructions: the model never learnt what to answer.
+        content = _UNINSTRUCTED
+    elif BADJSON_MARKER in texts:
+        content = "this is not json"
+    elif EMPTY_MARKER in texts:
+        content = ""
     else:
-        assert parsed.user is not None
-        answer = offline.consolidate(parsed.user)
-    content = orjson.dumps(answer).decode()
-    if pad_bytes > 0:
+        if POISON_MARKER in texts or (REPAIRABLE_MARKER in texts and not parsed.repair):
+            answer: dict[str, Any] = {
+                "creates": [
+                    {
+                        "text": "An observation citing a fact that does not exist.",
+                        "facts": ["f9999"],
+                    }
+                ],
+                "updates": [],
+                "merges": [],
+            }
+        else:
+            assert parsed.user is not None
+            answer = offline.consolidate(parsed.user)
+        content = orjson.dumps(answer).decode()
+    if config.think:
+        content = _THINKING + content
+    tokens = _tokens(content)
+    limit = parsed.max_tokens
+    if config.honour_max_tokens and limit is not None and tokens > limit:
+        return content[: limit * 4], "length", limit
+    if config.pad_bytes > 0 and content.endswith("}"):
         # Whitespace before the closing brace keeps the answer valid JSON of the wanted size.
-        content = content[:-1] + " " * pad_bytes + "}"
+        content = content[:-1] + " " * config.pad_bytes + "}"
     if TRUNCATE_MARKER in texts:
-        return content[: len(content) // 2], "length"
-    return content, "stop"
+        return content[: len(content) // 2], "length", tokens // 2
+    return content, "stop", tokens
 
 
 def _validate_script(script: object) -> list[dict[str, Any]]:
@@ -404,6 +537,11 @@ class _FakeLLM:
                 "started": time.monotonic(),
                 "ended": None,
                 "response_format": parsed.response_format,
+                "schema": parsed.schema,
+                "max_tokens": parsed.max_tokens,
+                "roles": [role for role, _ in parsed.messages],
+                "instructed": parsed.instructed_user,
+                "turns": list(parsed.turns),
             }
             self._calls.append(record)
             self._requests += 1
@@ -422,6 +560,9 @@ class _FakeLLM:
                 return call, _Plan(status=401, body="missing or wrong bearer token")
             if parsed.problem is not None:
                 return call, _Plan(status=400, body=parsed.problem)
+            refusal = _refusal(config.dialect, parsed)
+            if refusal is not None:
+                return call, refusal
             delay_s = max(
                 0.0,
                 (config.latency_ms + self._rng.uniform(-config.jitter_ms, config.jitter_ms))
@@ -443,12 +584,13 @@ class _FakeLLM:
                     delay_s=delay_s,
                     content=item["content"],
                     finish_reason=item.get("finish_reason", "stop"),
+                    config=config,
                 )
             if config.fail_rate > 0 and self._rng.random() < config.fail_rate:
                 return call, _Plan(
                     delay_s=delay_s, status=config.fail_status, retry_after=config.retry_after_s
                 )
-            return call, _Plan(delay_s=delay_s, pad_bytes=config.pad_bytes)
+            return call, _Plan(delay_s=delay_s, config=config)
 
     def _finish(self, call: _Call, status: int | None) -> None:
         """Record the end of a call; ``status`` None means the client went away first."""
@@ -498,11 +640,18 @@ class _FakeLLM:
     def _respond(self, parsed: _Parsed, plan: _Plan) -> Response:
         if plan.status != 200 or plan.body is not None:
             return self._status_response(plan)
+        config = plan.config
+        if config.envelope == "html":
+            return Response(_HTML_PAGE, media_type="text/html")
+        if config.envelope == "no-choices":
+            body = {"object": "error", "message": "upstream model unavailable", "code": 200}
+            return Response(orjson.dumps(body), media_type="application/json")
         if plan.content is not None:
             content, finish_reason = plan.content, plan.finish_reason
+            completion_tokens = _tokens(content)
         else:
             try:
-                content, finish_reason = _answer_content(parsed, plan.pad_bytes)
+                content, finish_reason, completion_tokens = _answer_content(parsed, config)
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
                 return self._status_response(
                     _Plan(status=400, body=f"cannot consolidate this request: {exc!r}")
@@ -510,22 +659,24 @@ class _FakeLLM:
         with self._lock:
             self._next_id += 1
             completion_id = f"chatcmpl-fake-{self._next_id}"
+        # A template that drops the system message never shows it to the model.
+        prompt_chars = parsed.prompt_chars - sum(
+            len(text) for role, text in parsed.messages if role == "system" and config.drop_system
+        )
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if config.reasoning_content:
+            message["reasoning_content"] = _REASONING
+        prompt_tokens = (prompt_chars + 3) // 4
         payload = {
             "id": completion_id,
             "object": "chat.completion",
             "created": int(time.time()),
             "model": parsed.model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": content},
-                    "finish_reason": finish_reason,
-                }
-            ],
+            "choices": [{"index": 0, "message": message, "finish_reason": finish_reason}],
             "usage": {
-                "prompt_tokens": (parsed.prompt_chars + 3) // 4,
-                "completion_tokens": (len(content) + 3) // 4,
-                "total_tokens": (parsed.prompt_chars + 3) // 4 + (len(content) + 3) // 4,
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
             },
         }
         return Response(orjson.dumps(payload), media_type="application/json")

@@ -12,6 +12,7 @@ import asyncio
 import email.utils
 import math
 import random
+import re
 import time
 import urllib.parse
 import urllib.request
@@ -35,6 +36,7 @@ from consolidation.metrics import (
 )
 
 __all__ = [
+    "RESPONSE_FORMAT_MODES",
     "Consolidator",
     "HTTPConsolidator",
     "LLMAnswer",
@@ -44,7 +46,7 @@ __all__ = [
 
 log = structlog.get_logger(__name__)
 
-_RESPONSE_FORMAT_MODES = ("json_schema", "json_object")
+RESPONSE_FORMAT_MODES = ("auto", "json_schema", "json_object")
 _RETRYABLE_STATUSES = frozenset({408, 425, 429})
 _CONFIG_HINTS = {
     401: "check CONSOLIDATION_LLM_API_KEY",
@@ -52,8 +54,12 @@ _CONFIG_HINTS = {
     404: "check CONSOLIDATION_LLM_BASE_URL (usually ends in /v1) and CONSOLIDATION_LLM_MODEL",
     405: "check CONSOLIDATION_LLM_BASE_URL (usually ends in /v1)",
 }
-# Words by which vLLM, llama.cpp, Ollama and gateways refuse a json_schema response_format.
-_SCHEMA_REFUSAL_MARKERS = ("response_format", "json_schema", "response format", "json schema")
+# How servers refuse a response_format: vLLM, Ollama and gateways with 400/422, llama-cpp-python
+# with a 500 carrying a pydantic literal_error; the body names the field.
+_REFUSAL_STATUSES = frozenset({400, 422, 500})
+_REFUSAL_MARKERS = ("response_format", "json_schema", "response format", "json schema")
+# A reasoning model's thoughts before the answer (Qwen3, DeepSeek-R1 and kin).
+_THINK_BLOCK = re.compile(r"\A\s*<think>.*?</think>\s*", re.DOTALL | re.IGNORECASE)
 # A server asking for a longer pause than the backoff cap is obeyed, but only this far.
 _RETRY_AFTER_CAP_FACTOR = 5.0
 _BODY_EXCERPT_CHARS = 300
@@ -72,9 +78,10 @@ class LLMAnswer:
 
 
 class Consolidator(Protocol):
-    """Something that answers a pass: system prompt + user JSON in, assistant content out."""
+    """Something that answers a pass: a :class:`~consolidation.prompts.Chat` in, assistant
+    content out."""
 
-    async def complete(self, system: str, user: str) -> LLMAnswer:
+    async def complete(self, chat: prompts.Chat) -> LLMAnswer:
         """Return the answer or raise TransientLLMError, InvalidLLMOutput or LLMConfigError."""
         ...
 
@@ -101,8 +108,33 @@ class _Retryable(Exception):
         self.retry_after = retry_after
 
 
-class _SchemaRefused(Exception):
-    """The server rejected the json_schema response_format; resend with json_object."""
+class _FormatRefused(Exception):
+    """The server refused the response_format form sent; resend with the next one."""
+
+
+class _Budget:
+    """The time one call may spend across its attempts and backoff, counted from its first
+    request (``CONSOLIDATION_LLM_RETRY_BUDGET_S``)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.started: float | None = None
+
+    def timeout(self, per_attempt: float) -> float:
+        """The timeout of the attempt starting now: ``per_attempt``, or what is left."""
+        now = time.monotonic()
+        if self.started is None:
+            self.started = now
+        return min(per_attempt, self.started + self.seconds - now)
+
+    def allows(self, delay: float, least: float) -> bool:
+        """Whether a retry after ``delay`` seconds would still have ``least`` seconds."""
+        if self.started is None:
+            return True
+        return time.monotonic() + delay + least <= self.started + self.seconds
+
+    def elapsed(self) -> float:
+        return 0.0 if self.started is None else time.monotonic() - self.started
 
 
 @dataclass(frozen=True)
@@ -191,8 +223,9 @@ def _token_count(value: object) -> int:
 class HTTPConsolidator:
     """Client for ``POST {base_url}/chat/completions`` of an OpenAI-compatible server.
 
-    Retries transport trouble with backoff, falls back once from json_schema to json_object when
-    the server refuses schemas, and caps in-flight requests at ``max_concurrent``.
+    Retries transport trouble with backoff within ``max_retries`` and ``retry_budget_s``, finds
+    the ``response_format`` form the server accepts (``auto``), caps ``max_tokens`` and in-flight
+    requests.
 
     The transport is aiohttp (keep-alive pool of ``max_concurrent`` connections, no redirects
     followed, ``HTTP(S)_PROXY`` / ``NO_PROXY`` read once): a tenth of httpx's CPU per request
@@ -207,17 +240,27 @@ class HTTPConsolidator:
         api_key: str | None = None,
         timeout_s: float = 60.0,
         max_retries: int = 4,
+        retry_budget_s: float | None = None,
         max_concurrent: int = 16,
-        response_format: str = "json_schema",
+        response_format: str = "auto",
+        max_tokens: int = 4096,
+        system_role: str = "system",
         backoff_base_s: float = 0.5,
         backoff_max_s: float = 30.0,
     ) -> None:
-        if response_format not in _RESPONSE_FORMAT_MODES:
+        if response_format not in RESPONSE_FORMAT_MODES:
             raise ValueError(
-                f"response_format must be one of {_RESPONSE_FORMAT_MODES}, got {response_format!r}"
+                f"response_format must be one of {RESPONSE_FORMAT_MODES}, got {response_format!r}"
             )
-        if max_concurrent < 1 or max_retries < 0 or timeout_s <= 0:
-            raise ValueError("need max_concurrent >= 1, max_retries >= 0 and timeout_s > 0")
+        if system_role not in prompts.SYSTEM_ROLES:
+            raise ValueError(f"system_role must be one of {prompts.SYSTEM_ROLES}")
+        budget = 2 * timeout_s if retry_budget_s is None else retry_budget_s
+        if max_concurrent < 1 or max_retries < 0 or timeout_s <= 0 or max_tokens < 1:
+            raise ValueError(
+                "need max_concurrent >= 1, max_retries >= 0, timeout_s > 0 and max_tokens >= 1"
+            )
+        if budget < timeout_s:
+            raise ValueError("retry_budget_s must be at least timeout_s")
         base = base_url.rstrip("/")
         parts = urllib.parse.urlsplit(base)
         if parts.scheme not in ("http", "https") or not parts.hostname:
@@ -230,12 +273,20 @@ class HTTPConsolidator:
         self._model = model
         self._timeout_s = timeout_s
         self._max_retries = max_retries
-        self._mode = response_format
+        self._retry_budget_s = budget
+        self._max_tokens = max_tokens
+        self._system_role = system_role
+        # auto starts at json_schema and walks down prompts.RESPONSE_FORMATS on refusals; the
+        # first form a request is answered with is kept for the life of the process.
+        self._auto = response_format == "auto"
+        self._form = "json_schema" if self._auto else response_format
+        self._form_settled = not self._auto
+        self._form_probe: asyncio.Future[bool] | None = None
+        self._refusals: list[dict[str, Any]] = []
         self._backoff_base_s = backoff_base_s
         self._backoff_max_s = backoff_max_s
         self._max_concurrent = max_concurrent
         self._semaphore = asyncio.Semaphore(max_concurrent)
-        self._response_formats: dict[str, dict[str, Any]] = {}
         self._headers = {
             "accept": "application/json",
             "content-type": "application/json",
@@ -249,8 +300,9 @@ class HTTPConsolidator:
 
     @property
     def response_format_mode(self) -> str:
-        """The mode requests are currently sent with (``json_object`` after a fallback)."""
-        return self._mode
+        """The ``response_format`` form requests are sent with now (one of
+        ``prompts.RESPONSE_FORMATS``)."""
+        return self._form
 
     async def aclose(self) -> None:
         """Close the connection pool."""
@@ -265,43 +317,39 @@ class HTTPConsolidator:
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 headers=self._headers,
-                timeout=aiohttp.ClientTimeout(total=self._timeout_s),
                 connector=aiohttp.TCPConnector(limit=self._max_concurrent),
                 # Not trust_env: it reads ~/.netrc in a thread on every request (half of the
                 # engine's CPU at a fast LLM); the proxy is resolved once instead.
             )
         return self._session
 
-    async def complete(self, system: str, user: str) -> LLMAnswer:
-        """One chat completion for ``system`` + ``user``.
+    async def complete(self, chat: prompts.Chat) -> LLMAnswer:
+        """One chat completion for ``chat``.
 
         Raises LLMRetriesExhausted (a TransientLLMError) when transport trouble outlasts
-        ``max_retries``, InvalidLLMOutput for an unusable answer or a 400/422, LLMConfigError
-        for 401/403/404. Cancelling the caller aborts the HTTP request.
+        ``max_retries`` or ``retry_budget_s``, InvalidLLMOutput for an unusable answer or a
+        400/422, LLMConfigError for 401/403/404 or a refused response_format. Cancelling the
+        caller aborts the HTTP request.
         """
         extra_requests = 0
         failures = 0
+        budget = _Budget(self._retry_budget_s)
         while True:
             try:
-                answer = await self._attempt(system, user, extra_requests)
+                answer = await self._attempt(chat, extra_requests, budget)
             except _Retryable as exc:
-                if failures >= self._max_retries:
-                    LLM_REQUESTS.labels(outcome="transient").inc()
-                    attempts = extra_requests + 1
-                    raise LLMRetriesExhausted(
-                        f"LLM endpoint POST {self._url} still failing after {attempts} "
-                        f"attempt(s) (last: {exc.reason}): the operation will be retried later; "
-                        "check that the LLM server is up and not overloaded, or raise "
-                        "CONSOLIDATION_LLM_TIMEOUT_S / CONSOLIDATION_LLM_MAX_RETRIES",
-                        attempts=attempts,
-                    ) from None
-                LLM_REQUESTS.labels(outcome="retry").inc()
                 delay, honoured = retry_delay(
                     failures,
                     exc.retry_after,
                     base_s=self._backoff_base_s,
                     max_s=self._backoff_max_s,
                 )
+                # A retry with less than a tenth of the timeout left is not worth sending.
+                least = self._timeout_s / 10
+                if failures >= self._max_retries or not budget.allows(delay, least):
+                    LLM_REQUESTS.labels(outcome="transient").inc()
+                    raise self._exhausted(exc, extra_requests + 1, failures, budget) from None
+                LLM_REQUESTS.labels(outcome="retry").inc()
                 if honoured:
                     LLM_RETRY_AFTER.inc()
                 failures += 1
@@ -317,7 +365,7 @@ class HTTPConsolidator:
                     retry_after_s=exc.retry_after,
                 )
                 await asyncio.sleep(delay)
-            except _SchemaRefused:
+            except _FormatRefused:
                 LLM_REQUESTS.labels(outcome="retry").inc()
                 extra_requests += 1
             except InvalidLLMOutput:
@@ -332,31 +380,71 @@ class HTTPConsolidator:
                 LLM_TOKENS.labels(kind="completion").inc(answer.completion_tokens)
                 return answer
 
-    def _response_format(self, mode: str) -> dict[str, Any]:
-        found = self._response_formats.get(mode)
-        if found is None:
-            found = self._response_formats[mode] = prompts.response_format(mode)
-        return found
+    def _exhausted(
+        self, exc: _Retryable, attempts: int, failures: int, budget: _Budget
+    ) -> LLMRetriesExhausted:
+        if failures >= self._max_retries:
+            spent = f"{self._max_retries} retries spent"
+        else:
+            spent = f"retry budget of {budget.seconds:g}s spent"
+        return LLMRetriesExhausted(
+            f"LLM endpoint POST {self._url} still failing after {attempts} attempt(s) in "
+            f"{budget.elapsed():.1f}s, {spent} (last: {exc.reason}): the operation will be "
+            "retried later; check that the LLM server is up and not overloaded, or raise "
+            "CONSOLIDATION_LLM_TIMEOUT_S / CONSOLIDATION_LLM_MAX_RETRIES / "
+            "CONSOLIDATION_LLM_RETRY_BUDGET_S",
+            attempts=attempts,
+        )
 
-    async def _attempt(self, system: str, user: str, retries: int) -> LLMAnswer:
-        mode = self._mode
+    async def _attempt(self, chat: prompts.Chat, retries: int, budget: _Budget) -> LLMAnswer:
+        # Until the endpoint has accepted a form, one request at a time probes it; the others
+        # wait for its verdict rather than all collect the same refusal. A probe that ends
+        # without one (a timeout, a 503) lets them all go: a slow endpoint must not make the
+        # passes queue behind each other's timeouts.
+        while not self._form_settled:
+            probe = self._form_probe
+            if probe is None:
+                return await self._probe(chat, retries, budget)
+            if not await asyncio.shield(probe):
+                break
+        return await self._send(chat, self._form, retries, budget)
+
+    async def _probe(self, chat: prompts.Chat, retries: int, budget: _Budget) -> LLMAnswer:
+        form = self._form
+        probe = self._form_probe = asyncio.get_running_loop().create_future()
+        try:
+            return await self._send(chat, form, retries, budget)
+        finally:
+            self._form_probe = None
+            # A verdict: the form was accepted, or refused and the next one is current.
+            probe.set_result(self._form_settled or self._form != form)
+
+    async def _send(
+        self, chat: prompts.Chat, form: str, retries: int, budget: _Budget
+    ) -> LLMAnswer:
+        max_tokens = min(chat.max_tokens, self._max_tokens)
         body = orjson.dumps(
             {
                 "model": self._model,
                 "temperature": 0,
-                "messages": [
-                    {"role": "system", "content": system},
-                    {"role": "user", "content": user},
-                ],
-                "response_format": self._response_format(mode),
+                "max_tokens": max_tokens,
+                "messages": chat.messages(self._system_role),
+                "response_format": prompts.response_format(form, chat.schema),
             }
         )
         async with self._semaphore:
+            timeout_s = budget.timeout(self._timeout_s)
+            if timeout_s <= 0:
+                raise _Retryable("the retry budget ran out while waiting for a free request slot")
             LLM_IN_FLIGHT.inc()
             started = time.perf_counter()
             try:
                 async with self._client().post(
-                    self._url, data=body, allow_redirects=False, proxy=self._proxy
+                    self._url,
+                    data=body,
+                    allow_redirects=False,
+                    proxy=self._proxy,
+                    timeout=aiohttp.ClientTimeout(total=timeout_s),
                 ) as response:
                     reply = _Reply(
                         response.status,
@@ -365,8 +453,9 @@ class HTTPConsolidator:
                         await response.read(),
                     )
             except TimeoutError as exc:
+                rest = " (the rest of the retry budget)" if timeout_s < self._timeout_s else ""
                 raise _Retryable(
-                    f"no answer within {self._timeout_s:g}s ({type(exc).__name__})"
+                    f"no answer within {timeout_s:.3g}s{rest} ({type(exc).__name__})"
                 ) from None
             except aiohttp.ClientError as exc:
                 detail = str(exc) or "connection failed"
@@ -374,11 +463,15 @@ class HTTPConsolidator:
             finally:
                 LLM_IN_FLIGHT.dec()
                 LLM_LATENCY.observe(time.perf_counter() - started)
-        return self._interpret(reply, mode, retries)
+        return self._interpret(reply, form, retries, max_tokens, chat.max_tokens)
 
-    def _interpret(self, response: _Reply, mode: str, retries: int) -> LLMAnswer:
+    def _interpret(
+        self, response: _Reply, form: str, retries: int, max_tokens: int, wanted_tokens: int
+    ) -> LLMAnswer:
         status = response.status
         what = f"{status} {response.reason}".strip()
+        if status in _REFUSAL_STATUSES and self._names_response_format(response.text):
+            self._refused(form, status, response.text)
         if status in _RETRYABLE_STATUSES or status >= 500:
             raise _Retryable(
                 f"HTTP {what}",
@@ -397,63 +490,102 @@ class HTTPConsolidator:
                 "final URL"
             )
         if status >= 400:
-            text = response.text
-            if status in (400, 422) and mode == "json_schema" and self._refuses_schema(text):
-                self._fall_back_to_json_object(status, text)
-                raise _SchemaRefused
             raise InvalidLLMOutput(
-                f"LLM endpoint rejected the request with {what}: {_excerpt(text)!r}; the batch "
-                "will be retried and split"
+                f"LLM endpoint rejected the request with {what}: {_excerpt(response.text)!r}; "
+                "the batch will be retried and split"
             )
-        return self._parse_completion(response, retries)
+        return self._parse_completion(response, form, retries, max_tokens, wanted_tokens)
 
     @staticmethod
-    def _refuses_schema(text: str) -> bool:
+    def _names_response_format(text: str) -> bool:
         lowered = text.lower()
-        return any(marker in lowered for marker in _SCHEMA_REFUSAL_MARKERS)
+        return any(marker in lowered for marker in _REFUSAL_MARKERS)
 
-    def _fall_back_to_json_object(self, status: int, text: str) -> None:
-        # Several passes may hit the refusal at once; the first one switches and logs.
-        if self._mode == "json_object":
+    def _refused(self, form: str, status: int, text: str) -> None:
+        """Handle a refusal of ``form``: the next form under ``auto``, else a config error."""
+        detail = _excerpt(text)
+        if not self._auto:
+            raise LLMConfigError(
+                f"LLM endpoint POST {self._url} refused response_format {form} with HTTP "
+                f"{status}: {detail!r}; set CONSOLIDATION_LLM_RESPONSE_FORMAT=auto to use a "
+                "form it accepts"
+            )
+        index = prompts.RESPONSE_FORMATS.index(form)
+        if index + 1 == len(prompts.RESPONSE_FORMATS):
+            raise LLMConfigError(
+                f"LLM endpoint POST {self._url} refuses every response_format "
+                f"({', '.join(prompts.RESPONSE_FORMATS)}); last HTTP {status}: {detail!r}: "
+                "the service needs a server with at least a JSON mode"
+            )
+        # Passes that sent the same form at once all see the refusal; the first one moves on.
+        if self._form == form:
+            self._form = prompts.RESPONSE_FORMATS[index + 1]
+            self._form_settled = False
+            self._refusals.append({"response_format": form, "status": status, "detail": detail})
+        raise _FormatRefused
+
+    def _accepted(self, form: str) -> None:
+        """The endpoint answered a request sent with ``form``: keep it, say so once."""
+        if self._form_settled or form != self._form:
             return
-        self._mode = "json_object"
-        log.warning(
-            "llm_response_format_fallback",
+        self._form_settled = True
+        constrained = form != "json_object"
+        (log.info if constrained else log.warning)(
+            "llm_response_format",
             url=self._url,
             model=self._model,
-            status=status,
-            detail=_excerpt(text),
-            hint="the server refuses json_schema response_format; using json_object from now on "
-            "(set CONSOLIDATION_LLM_RESPONSE_FORMAT=json_object to skip this probe)",
+            response_format=form,
+            constrained_decoding=constrained,
+            refused=self._refusals,
         )
 
-    def _parse_completion(self, response: _Reply, retries: int) -> LLMAnswer:
+    def _parse_completion(
+        self, response: _Reply, form: str, retries: int, max_tokens: int, wanted_tokens: int
+    ) -> LLMAnswer:
+        # A body that is not a chat completion (a gateway's HTML page, an error object sent
+        # with 200) is the endpoint's fault, never the memories': retried like a 503.
         try:
             data = orjson.loads(response.body)
         except orjson.JSONDecodeError:
-            raise InvalidLLMOutput(
-                f"LLM endpoint answered {response.status} with a body that is not JSON: "
-                f"{_excerpt(response.text)!r}"
-            ) from None
+            data = None
         choices = data.get("choices") if isinstance(data, dict) else None
         choice = choices[0] if isinstance(choices, list) and choices else None
         message = choice.get("message") if isinstance(choice, dict) else None
         if not isinstance(choice, dict) or not isinstance(message, dict):
-            raise InvalidLLMOutput(
-                "LLM endpoint answered with something that is not an OpenAI chat completion "
-                f"(no choices[0].message): {_excerpt(response.text)!r}"
+            raise _Retryable(
+                f"HTTP {response.status} with a body that is not a chat completion (no "
+                f"choices[0].message): {_excerpt(response.text)!r}",
+                status=response.status,
             )
+        assert isinstance(data, dict)
+        self._accepted(form)
         finish_reason = choice.get("finish_reason")
         finish_reason = finish_reason if isinstance(finish_reason, str) else None
-        if finish_reason == "length":
-            raise InvalidLLMOutput(
-                "LLM answer was truncated (finish_reason 'length'): the model ran out of tokens; "
-                "the batch will be split"
-            )
         content = message.get("content")
-        if not isinstance(content, str) or not content.strip():
+        # reasoning_content (vLLM, llama.cpp, DeepSeek) is the model's thinking: never the answer.
+        content = _THINK_BLOCK.sub("", content, count=1) if isinstance(content, str) else ""
+        if finish_reason == "length":
+            capped = (
+                f", capped by CONSOLIDATION_LLM_MAX_TOKENS={self._max_tokens}"
+                if max_tokens < wanted_tokens
+                else ""
+            )
             raise InvalidLLMOutput(
-                f"LLM answer has empty content (finish_reason {finish_reason!r})"
+                f"LLM answer was cut off by max_tokens={max_tokens} (finish_reason 'length'; the "
+                f"pass asked for {wanted_tokens}{capped}): the retry asks for a complete answer, "
+                "then the batch is split",
+                answer=content,
+                problems=[
+                    f"the answer was cut off at the limit of {max_tokens} tokens before it was "
+                    "complete; write a shorter answer"
+                ],
+                truncated=True,
+            )
+        if not content.strip():
+            refusal = message.get("refusal")
+            said = f", refusal {_excerpt(refusal)!r}" if isinstance(refusal, str) else ""
+            raise InvalidLLMOutput(
+                f"LLM answer has empty content (finish_reason {finish_reason!r}{said})"
             )
         usage = data.get("usage")
         usage = usage if isinstance(usage, dict) else {}
@@ -474,15 +606,15 @@ def estimate_tokens(text: str) -> int:
 class OfflineConsolidator:
     """Answers with the offline policy in-process (no HTTP); usage is estimated from lengths."""
 
-    async def complete(self, system: str, user: str) -> LLMAnswer:
-        """Run :func:`consolidation.offline.consolidate` on the parsed user message."""
-        request = orjson.loads(user)
-        if not isinstance(request, dict):
-            raise ValueError("the user message must be the JSON object of DESIGN §3")
+    async def complete(self, chat: prompts.Chat) -> LLMAnswer:
+        """Run :func:`consolidation.offline.consolidate` on the §3 object of ``chat``."""
+        request = prompts.find_request_object(chat.user)
+        if request is None:
+            raise ValueError("the user message must end with the JSON object of DESIGN §3")
         content = orjson.dumps(offline.consolidate(request)).decode()
         return LLMAnswer(
             content=content,
-            prompt_tokens=estimate_tokens(system) + estimate_tokens(user),
+            prompt_tokens=(chat.prompt_chars + 3) // 4,
             completion_tokens=estimate_tokens(content),
             finish_reason="stop",
             retries=0,

@@ -20,6 +20,8 @@ class PerfLog:
     llm_calls: int = 0
     llm_failures: int = 0
     llm_retries: int = 0
+    llm_repairs: int = 0
+    llm_repaired: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
     prompt_chars: int = 0

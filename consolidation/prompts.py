@@ -6,8 +6,9 @@ each ref stands for and :func:`parse_answer` maps them back, rejecting anything 
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import re
+import unicodedata
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -26,37 +27,43 @@ You consolidate an AI agent's memory. You receive new facts (atomic memories) an
 observations of one scope of one memory bank. Observations are durable, consolidated knowledge \
 built from facts. Decide how the new facts change the observations.
 
-INPUT is one JSON object:
-{{"bank": "...", "scope": ["tag", ...], "mission": "what the agent is for, or null",
- "facts": [{{"ref": "f1", "text": "...", "tags": ["..."], "occurred_at": "ISO-8601 or null"}}],
- "observations": [{{"ref": "o1", "text": "...", "sources": 3, "updated_at": "ISO-8601"}}]}}
+INPUT is one JSON object with these keys: "bank" and "scope" (where the memories live), \
+"mission" (what the agent is for, or null), "facts" (the new facts, each with a "ref", its \
+"text", its "tags" and "occurred_at", the time the event happened or null) and "observations" \
+(the existing observations, each with a "ref", its "text", "sources", the number of facts \
+behind it, and "updated_at"). Fact refs start with the letter f, observation refs with the \
+letter o.
 
-ANSWER with exactly one JSON object and nothing else (no prose, no markdown):
-{{"creates": [{{"text": "...", "facts": ["f1"]}}],
- "updates": [{{"observation": "o1", "text": "...", "facts": ["f2"]}}],
- "merges": [{{"observations": ["o1", "o2"], "text": "...", "facts": []}}]}}
-
-- "creates": a new observation with its full text and the facts it is based on.
-- "updates": replaces the full text of an existing observation, so keep everything it said that \
-is still true; "facts" are the new facts it now includes.
-- "merges": the listed observations (at least two) say the same thing; they become one \
-observation with the given full text. The first one is kept, the others are removed.
-- Any key may be omitted or an empty list. Use only refs that appear in the input.
+ANSWER with exactly one JSON object and nothing else (no prose, no markdown). It has three \
+keys, "creates", "updates" and "merges", and each is a list of actions:
+- a create adds a new observation. Its keys: "text", the full text you write, and "facts", \
+the refs of the facts it is based on.
+- an update rewrites an existing observation. Its keys: "observation", the ref of that \
+observation; "text", its full new text, keeping everything it said that is still true; and \
+"facts", the refs of the new facts it now includes.
+- a merge joins existing observations that say the same thing. Its keys: "observations", the \
+refs of two or more different observations (the first is kept, the others are removed); \
+"text", the full text of the joined observation; and "facts", the refs of any new facts it \
+includes (possibly none).
+Copy refs exactly as the input spells them and use no other refs. Write every text yourself \
+from the facts and observations: real sentences, never a placeholder. A list with nothing to \
+do is empty.
 
 RULES
 1. Prefer updating an existing observation over creating a near-duplicate of it.
 2. One facet per observation: a single topic, preference, relationship or state. Do not pile \
 unrelated facts into one observation.
-3. When a state changes, keep the history in the text, e.g. "used to live in Paris, now lives in \
-Berlin (since 2026-01)". Use occurred_at to order events; newer facts win over older ones.
+3. When a state changes, keep the history in the text: say what used to be true and what is \
+true now, with the date when it is known. Use occurred_at to order events; newer facts win over \
+older ones.
 4. Never invent facts. Every statement in a text must come from the given facts or observations.
 5. Cite in "facts" every fact an action is based on. Facts that add nothing new are simply not \
 cited.
 6. Merge observations that say the same thing instead of keeping duplicates.
-7. Each observation ref appears in at most one update or merge.
+7. Each observation ref appears in at most one update or merge, and at most once in it.
 8. Texts are self-contained plain sentences, never empty, at most {MAX_OBSERVATION_CHARS} \
 characters. Keep the mission in mind when deciding what matters.
-9. If nothing needs to change, answer {{"creates": [], "updates": [], "merges": []}}.
+9. If nothing needs to change, answer with all three lists empty.
 """
 
 
@@ -87,6 +94,12 @@ class PassRequest:
     user_content: str
     fact_refs: Mapping[str, UUID]
     observation_refs: Mapping[str, UUID]
+    # The texts the model was shown, whitespace collapsed: repeating one is never a placeholder.
+    input_texts: frozenset[str] = frozenset()
+
+
+def _collapsed(text: str) -> str:
+    return " ".join(text.split())
 
 
 def _utc_iso(value: datetime) -> str:
@@ -133,81 +146,191 @@ def build_request(
         user_content=orjson.dumps(payload).decode(),
         fact_refs=fact_refs,
         observation_refs=observation_refs,
+        input_texts=frozenset(
+            _collapsed(text) for text in (*(f.text for f in facts), *(o.text for o in observations))
+        ),
     )
 
 
-def _string_array(description: str) -> dict[str, Any]:
-    return {"type": "array", "items": {"type": "string"}, "description": description}
-
-
+# Only keywords that OpenAI's strict structured outputs, vLLM's guided decoding and llama.cpp's
+# grammar compiler all accept (type, properties, required, additionalProperties, items, enum,
+# description): no length bounds and never an empty enum. What the schema cannot say (text
+# lengths, a merge of two or more, each observation used once) parse_answer enforces.
+_SCHEMA_NAME = "consolidation_actions"
 _TEXT = {
     "type": "string",
     "description": f"Full observation text, non-empty, at most {MAX_OBSERVATION_CHARS} characters.",
 }
-_FACTS = _string_array("Refs of the facts (f1, f2, ...) this action is based on.")
 
-# Only keywords that OpenAI's structured outputs, vLLM and llama.cpp grammars all accept;
-# lengths and ref validity are enforced by parse_answer instead.
-RESPONSE_SCHEMA: dict[str, Any] = {
-    "type": "object",
-    "properties": {
-        "creates": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "properties": {"text": _TEXT, "facts": _FACTS},
-                "required": ["text", "facts"],
-                "additionalProperties": False,
-            },
+
+def _refs(refs: Sequence[str], description: str) -> dict[str, Any]:
+    item: dict[str, Any] = {"type": "string"}
+    if refs:
+        item["enum"] = list(refs)
+    return {"type": "array", "items": item, "description": description}
+
+
+def _action(properties: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "array",
+        "items": {
+            "type": "object",
+            "properties": properties,
+            "required": list(properties),
+            "additionalProperties": False,
         },
-        "updates": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "properties": {
-                    "observation": {"type": "string", "description": "Ref (o1, ...) to update."},
-                    "text": _TEXT,
-                    "facts": _FACTS,
+    }
+
+
+def response_schema(request: PassRequest) -> dict[str, Any]:
+    """The answer's JSON schema for one pass, its refs pinned: ``facts`` items are the pass's
+    fact refs and observation fields its observation refs, so constrained decoding cannot
+    produce an unknown ref. Without observations the schema has no updates or merges."""
+    facts = _refs(list(request.fact_refs), "Refs of the facts this action is based on.")
+    properties: dict[str, Any] = {"creates": _action({"text": _TEXT, "facts": facts})}
+    observation_refs = list(request.observation_refs)
+    if observation_refs:
+        properties["updates"] = _action(
+            {
+                "observation": {
+                    "type": "string",
+                    "enum": observation_refs,
+                    "description": "Ref of the observation to rewrite.",
                 },
-                "required": ["observation", "text", "facts"],
-                "additionalProperties": False,
-            },
-        },
-        "merges": {
-            "type": "array",
-            "items": {
-                "type": "object",
-                "properties": {
-                    "observations": _string_array(
-                        "At least two observation refs; the first is kept, the others removed."
-                    ),
-                    "text": _TEXT,
-                    "facts": _FACTS,
-                },
-                "required": ["observations", "text", "facts"],
-                "additionalProperties": False,
-            },
-        },
-    },
-    "additionalProperties": False,
-}
+                "text": _TEXT,
+                "facts": facts,
+            }
+        )
+        properties["merges"] = _action(
+            {
+                "observations": _refs(
+                    observation_refs,
+                    "Two or more different observation refs; the first is kept, the others "
+                    "are removed.",
+                ),
+                "text": _TEXT,
+                "facts": facts,
+            }
+        )
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties),
+        "additionalProperties": False,
+    }
 
 
-def response_format(mode: str) -> dict[str, Any]:
-    """The ``response_format`` body field for ``json_schema`` or ``json_object`` mode."""
-    if mode == "json_schema":
+# The forms of ``response_format`` in the order ``auto`` tries them: OpenAI's json_schema, the
+# json_object-with-schema form llama.cpp-family servers constrain decoding with, plain JSON mode.
+RESPONSE_FORMATS = ("json_schema", "json_object+schema", "json_object")
+
+
+def response_format(form: str, schema: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``response_format`` body field of one of :data:`RESPONSE_FORMATS`."""
+    if form == "json_schema":
         return {
             "type": "json_schema",
-            "json_schema": {
-                "name": "consolidation_actions",
-                "schema": copy.deepcopy(RESPONSE_SCHEMA),
-            },
+            "json_schema": {"name": _SCHEMA_NAME, "strict": True, "schema": schema},
         }
-    if mode == "json_object":
+    if form == "json_object+schema":
+        return {"type": "json_object", "schema": schema}
+    if form == "json_object":
         return {"type": "json_object"}
-    raise ValueError(
-        f"unknown response format mode {mode!r}; expected 'json_schema' or 'json_object'"
+    raise ValueError(f"unknown response format {form!r}; expected one of {RESPONSE_FORMATS}")
+
+
+# max_tokens of a pass: room for one full-length observation rewrite plus a share per fact.
+# The client caps it with CONSOLIDATION_LLM_MAX_TOKENS.
+MAX_TOKENS_BASE = 1024
+MAX_TOKENS_PER_FACT = 256
+# A repair echoes at most this much of the unusable answer back to the model.
+MAX_REPAIR_ECHO_CHARS = 16_000
+SYSTEM_ROLES = ("system", "user")
+
+
+@dataclass(frozen=True)
+class Chat:
+    """One chat-completion request of a pass: the instructions, the DESIGN §3 user object, the
+    turns of a repair after them, the answer's schema and the ``max_tokens`` the pass may need
+    (before the client's cap)."""
+
+    system: str
+    user: str
+    schema: Mapping[str, Any]
+    max_tokens: int
+    turns: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def repair(self) -> bool:
+        """Whether this request carries a previous answer and its problems."""
+        return bool(self.turns)
+
+    @property
+    def prompt_chars(self) -> int:
+        return len(self.system) + len(self.user) + sum(len(text) for _, text in self.turns)
+
+    def messages(self, system_role: str = "system") -> list[dict[str, str]]:
+        """The ``messages`` of the request. With ``system_role="user"`` (for chat templates that
+        drop the system message) the instructions open the first user message, which still ends
+        with the §3 object on its own line."""
+        if system_role == "system":
+            head = [
+                {"role": "system", "content": self.system},
+                {"role": "user", "content": self.user},
+            ]
+        elif system_role == "user":
+            head = [{"role": "user", "content": f"{self.system}\n\n{self.user}"}]
+        else:
+            raise ValueError(f"unknown system role {system_role!r}; expected one of {SYSTEM_ROLES}")
+        return head + [{"role": role, "content": text} for role, text in self.turns]
+
+
+def pass_chat(request: PassRequest) -> Chat:
+    """The first request of a pass: system prompt, §3 user object, pinned schema, max_tokens."""
+    return Chat(
+        system=SYSTEM_PROMPT,
+        user=request.user_content,
+        schema=response_schema(request),
+        max_tokens=MAX_TOKENS_BASE + MAX_TOKENS_PER_FACT * len(request.fact_refs),
     )
+
+
+def repair_chat(chat: Chat, error: InvalidLLMOutput) -> Chat:
+    """The retry of ``chat`` after ``error``: the unusable answer goes back as the assistant's
+    turn, followed by a short user turn listing its problems and asking for a corrected object
+    (with twice the ``max_tokens`` when the answer was cut off). Without an answer to show (an
+    empty one, a rejected request) the retry is ``chat`` itself."""
+    answer = (error.answer or "").strip()
+    if not answer:
+        return chat
+    if len(answer) > MAX_REPAIR_ECHO_CHARS:
+        more = len(answer) - MAX_REPAIR_ECHO_CHARS
+        answer = f"{answer[:MAX_REPAIR_ECHO_CHARS]}… [{more} more characters]"
+    problems = error.problems or (str(error),)
+    note = (
+        "That answer cannot be used:\n"
+        + "".join(f"- {problem}\n" for problem in problems)
+        + "Answer again with one corrected JSON object in the same format: only refs from the "
+        "input, each observation at most once, every text written in full from the facts."
+    )
+    return dataclasses.replace(
+        chat,
+        turns=(("assistant", answer), ("user", note)),
+        max_tokens=chat.max_tokens * 2 if error.truncated else chat.max_tokens,
+    )
+
+
+def find_request_object(content: str) -> dict[str, Any] | None:
+    """The DESIGN §3 object of a user message: the whole content, or its last line when
+    instructions come first (``CONSOLIDATION_LLM_SYSTEM_ROLE=user``); None if there is none."""
+    for candidate in (content, content.rstrip().rpartition("\n")[2]):
+        try:
+            found = orjson.loads(candidate)
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(found, dict):
+            return found
+    return None
 
 
 @dataclass(frozen=True)
@@ -319,6 +442,10 @@ class _AnswerChecker:
             self.problems.append(
                 f"{where}.text has {len(text)} characters, more than {MAX_OBSERVATION_CHARS}"
             )
+        elif is_placeholder(text) and _collapsed(text) not in self.request.input_texts:
+            self.problems.append(
+                f"{where}.text {text!r} is a placeholder, not an observation; write the full text"
+            )
         return text
 
     def facts(self, where: str, value: object) -> tuple[UUID, ...]:
@@ -367,32 +494,72 @@ class _AnswerChecker:
         return None if unknown or missing else item
 
 
-def _decode(content: str | bytes) -> object:
+# Normalised texts that models copy from format descriptions instead of writing an observation.
+_PLACEHOLDERS = frozenset(
+    {
+        "text",
+        "string",
+        "placeholder",
+        "observation",
+        "observation text",
+        "full text",
+        "new text",
+        "updated text",
+        "merged text",
+        "full observation text",
+        "your text here",
+        "text here",
+        "example",
+        "todo",
+        "tbd",
+        "n/a",
+        "lorem ipsum",
+    }
+)
+_REF_LIKE = re.compile(r"[fo]\d+", re.IGNORECASE)
+# Letters, digits and other symbols (emoji) carry meaning; punctuation and spaces alone do not.
+_MEANINGFUL_CATEGORIES = ("L", "N", "So")
+
+
+def is_placeholder(text: str) -> bool:
+    """Whether ``text`` says nothing: punctuation only (``"..."``, ``"—"``), a format word
+    (``"text"``, ``"<observation text>"``) or a ref (``"f1"``)."""
+    if not any(unicodedata.category(ch).startswith(_MEANINGFUL_CATEGORIES) for ch in text):
+        return True
+    words = " ".join("".join(ch if ch.isalnum() or ch == "/" else " " for ch in text).split())
+    return words.lower() in _PLACEHOLDERS or _REF_LIKE.fullmatch(words) is not None
+
+
+def _unusable(problem: str, answer: str) -> InvalidLLMOutput:
+    return InvalidLLMOutput(f"invalid answer: {problem}", answer=answer, problems=[problem])
+
+
+def _decode(content: str | bytes) -> tuple[str, object]:
     if isinstance(content, bytes):
         try:
             content = content.decode()
         except UnicodeDecodeError as exc:
             raise InvalidLLMOutput(f"answer is not valid UTF-8: {exc}") from None
-    content = content.strip()
-    fenced = _FENCE.match(content)
+    text = content.strip()
+    fenced = _FENCE.match(text)
     if fenced:
-        content = fenced.group(1)
+        text = fenced.group(1)
     try:
-        return orjson.loads(content)
+        return content, orjson.loads(text)
     except orjson.JSONDecodeError as exc:
-        preview = content[:80] + ("…" if len(content) > 80 else "")
-        raise InvalidLLMOutput(f"answer is not valid JSON ({exc}): {preview!r}") from None
+        preview = text[:80] + ("…" if len(text) > 80 else "")
+        raise _unusable(f"the answer is not valid JSON ({exc}): {preview!r}", content) from None
 
 
 def parse_answer(content: str | bytes, request: PassRequest) -> PassPlan:
     """Validate an assistant answer against ``request`` and map its refs back to ids.
 
-    Raises :class:`InvalidLLMOutput` naming every problem found; never returns an id that
-    was not in the request.
+    Raises :class:`InvalidLLMOutput` naming every problem found (and carrying the answer, so a
+    retry can show the model what to correct); never returns an id that was not in the request.
     """
-    answer = _decode(content)
+    answer_text, answer = _decode(content)
     if not isinstance(answer, dict):
-        raise InvalidLLMOutput(f"answer must be a JSON object, got {_json_type(answer)}")
+        raise _unusable(f"the answer must be a JSON object, got {_json_type(answer)}", answer_text)
     check = _AnswerChecker(request)
     unknown = sorted(set(answer) - set(_TOP_LEVEL_KEYS))
     if unknown:
@@ -441,7 +608,16 @@ def parse_answer(content: str | bytes, request: PassRequest) -> PassPlan:
                         f"{where}.observations lists {len(refs)} observation(s); "
                         "a merge needs at least two"
                     )
+                seen: set[str] = set()
                 for j, ref in enumerate(refs):
+                    if isinstance(ref, str):
+                        if ref in seen:
+                            check.problems.append(
+                                f"{where}.observations lists {ref!r} twice; "
+                                "a merge needs two or more different observations"
+                            )
+                            continue
+                        seen.add(ref)
                     found = check.observation(f"{where}.observations[{j}]", ref)
                     if found is not None:
                         observation_ids.append(found)
@@ -453,5 +629,7 @@ def parse_answer(content: str | bytes, request: PassRequest) -> PassPlan:
         shown = check.problems[:_MAX_REPORTED_PROBLEMS]
         more = len(check.problems) - len(shown)
         suffix = f"; and {more} more" if more else ""
-        raise InvalidLLMOutput("invalid answer: " + "; ".join(shown) + suffix)
+        raise InvalidLLMOutput(
+            "invalid answer: " + "; ".join(shown) + suffix, answer=answer_text, problems=shown
+        )
     return PassPlan(creates=tuple(creates), updates=tuple(updates), merges=tuple(merges))

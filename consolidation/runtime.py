@@ -70,8 +70,11 @@ def build_consolidator(settings: Settings) -> Consolidator:
         api_key=settings.llm_api_key.get_secret_value() if settings.llm_api_key else None,
         timeout_s=settings.llm_timeout_s,
         max_retries=settings.llm_max_retries,
+        retry_budget_s=settings.llm_retry_budget_s,
         max_concurrent=settings.llm_max_concurrent,
         response_format=settings.llm_response_format,
+        max_tokens=settings.llm_max_tokens,
+        system_role=settings.llm_system_role,
         backoff_base_s=settings.llm_backoff_base_s,
         backoff_max_s=settings.llm_backoff_max_s,
     )

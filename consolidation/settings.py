@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from consolidation.errors import ConfigError
@@ -31,10 +31,25 @@ class Settings(BaseSettings):
     )
     llm_api_key: SecretStr | None = None
     llm_model: str = "gpt-4o-mini"
-    llm_timeout_s: float = Field(default=60.0, gt=0)
+    llm_timeout_s: float = Field(default=60.0, gt=0, description="Per request.")
     llm_max_retries: int = Field(default=4, ge=0, le=20)
+    llm_retry_budget_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Longest one LLM call may take across its retries; unset: 2 × LLM_TIMEOUT_S.",
+    )
     llm_max_concurrent: int = Field(default=16, ge=1, le=1024)
-    llm_response_format: Literal["json_schema", "json_object"] = "json_schema"
+    llm_response_format: Literal["auto", "json_schema", "json_object"] = Field(
+        default="auto",
+        description="auto: json_schema, else json_object with a schema, else json_object.",
+    )
+    llm_max_tokens: int = Field(
+        default=4096, ge=64, le=1_000_000, description="Cap on the max_tokens of every request."
+    )
+    llm_system_role: Literal["system", "user"] = Field(
+        default="system",
+        description="user: instructions open the user message (templates that drop system).",
+    )
     llm_backoff_base_s: float = Field(default=0.5, ge=0)
     llm_backoff_max_s: float = Field(default=30.0, ge=0)
 
@@ -65,6 +80,15 @@ class Settings(BaseSettings):
     event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
         default="auto", description="auto uses uvloop when it is installed, else asyncio."
     )
+
+    @model_validator(mode="after")
+    def _budget_covers_one_request(self) -> Settings:
+        if self.llm_retry_budget_s is not None and self.llm_retry_budget_s < self.llm_timeout_s:
+            raise ValueError(
+                f"CONSOLIDATION_LLM_RETRY_BUDGET_S ({self.llm_retry_budget_s:g}) must be at least "
+                f"CONSOLIDATION_LLM_TIMEOUT_S ({self.llm_timeout_s:g})"
+            )
+        return self
 
     @field_validator("log_level", mode="before")
     @classmethod
@@ -100,6 +124,8 @@ def load_settings(**overrides: object) -> Settings:
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
-            field = str(err["loc"][0]) if err["loc"] else "?"
-            problems.append(f"{ENV_PREFIX}{field.upper()}: {err['msg']}")
+            if not err["loc"]:  # a rule across settings names its variables itself
+                problems.append(str(err["msg"]).removeprefix("Value error, "))
+                continue
+            problems.append(f"{ENV_PREFIX}{str(err['loc'][0]).upper()}: {err['msg']}")
         raise ConfigError("invalid configuration: " + "; ".join(problems)) from None

@@ -16,6 +16,7 @@ import asyncpg
 import orjson
 import pytest
 from prometheus_client import REGISTRY
+from structlog.testing import capture_logs
 
 from consolidation import queue
 from consolidation.engine import OperationEnd, run_operation
@@ -23,7 +24,9 @@ from consolidation.fake_llm import (
     BADJSON_MARKER,
     EMPTY_MARKER,
     POISON_MARKER,
+    REPAIRABLE_MARKER,
     TRUNCATE_MARKER,
+    FakeLLMConfig,
     FakeLLMServer,
 )
 from consolidation.llm import Consolidator
@@ -147,9 +150,11 @@ async def test_answers_slower_than_the_llm_timeout_setting_fail_the_attempt_not_
 ) -> None:
     fake.control(latency_ms=5_000)
     await ingest(pool, "b", topic("Cid", 3, ["cid"]))
+    # A budget roomier than both tries: each is abandoned at the full timeout.
     settings = load_settings(
         llm_base_url=fake.url,
         llm_timeout_s=0.3,
+        llm_retry_budget_s=5,
         llm_max_retries=1,
         llm_backoff_base_s=0.01,
         llm_backoff_max_s=0.02,
@@ -240,12 +245,13 @@ async def test_a_transient_fault_mid_operation_keeps_applied_work_and_the_retry_
 # --- unusable answers -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("marker", [BADJSON_MARKER, TRUNCATE_MARKER, POISON_MARKER, EMPTY_MARKER])
-async def test_an_unusable_answer_is_isolated_by_splitting_and_nothing_is_written_from_it(
-    pool: asyncpg.Pool, fake: FakeLLMServer, marker: str
-) -> None:
+async def one_batch_with_a_marked_memory(
+    pool: asyncpg.Pool, fake: FakeLLMServer, marker: str, index: int
+) -> tuple[list[Any], queue.Operation, OperationEnd]:
+    """Eight near-identical memories in one batch, the ``index``-th carrying ``marker``, run as
+    an operation's only attempt: the memory ids, the operation and how it ended."""
     memories = topic("Fay", 8, ["fay"])
-    memories[3]["text"] = f"Fay drinks green tea, cup 3 {marker}"
+    memories[index]["text"] = f"Fay drinks green tea, cup {index} {marker}"
     ids = await ingest(pool, "b", memories)
     op = (await queue.submit(pool, "b", max_attempts=1)).operation
     llm = http_llm(fake.url)
@@ -253,6 +259,14 @@ async def test_an_unusable_answer_is_isolated_by_splitting_and_nothing_is_writte
         end = await run_claimed(pool, llm, Settings(llm_batch_size=8))
     finally:
         await llm.aclose()
+    return ids, op, end
+
+
+@pytest.mark.parametrize("marker", [BADJSON_MARKER, TRUNCATE_MARKER, POISON_MARKER, EMPTY_MARKER])
+async def test_an_unusable_answer_is_isolated_by_splitting_and_nothing_is_written_from_it(
+    pool: asyncpg.Pool, fake: FakeLLMServer, marker: str
+) -> None:
+    ids, op, end = await one_batch_with_a_marked_memory(pool, fake, marker, 3)
     assert end.status == "completed", end.error
     failed = await pool.fetch("SELECT id FROM memories WHERE consolidation_failed_at IS NOT NULL")
     assert [r["id"] for r in failed] == [ids[3]]
@@ -272,8 +286,11 @@ async def test_an_unusable_answer_is_isolated_by_splitting_and_nothing_is_writte
     assert row.status == "completed" and row.result is not None
     perf = row.result["perf"]
     assert row.result["failed"] == 1 and row.result["consolidated"] == 7
-    # 8 → 4 → 2 → 1: each unusable pass was tried twice before its batch was halved.
+    # 8 → 4 → 2 → 1: each unusable pass was tried twice before its batch was halved; each
+    # retry showed the model its answer and the problems (unless there was no answer to show).
     assert perf["failed"] == 1 and perf["splits"] == 3 and perf["llm_failures"] == 8
+    assert perf["llm_repairs"] == (0 if marker == EMPTY_MARKER else 4)
+    assert perf["llm_repaired"] == 0
     await assert_consistent(pool)
 
 
@@ -352,7 +369,6 @@ async def test_a_10_mb_valid_answer_is_consolidated(
     finally:
         await llm.aclose()
     assert end.status == "completed", end.error
-    assert end.summary.perf.completion_tokens >= TEN_MB // 4
     assert await markers(pool, "b") == {"consolidated": 3, "failed": 0, "pending": 0}
     assert await pool.fetchval("SELECT max(length(text)) FROM observations") < 4_000
 
@@ -388,3 +404,172 @@ async def test_a_10_mb_unusable_answer_is_isolated_and_its_error_stays_small(
         op.id,
     )
     assert stored < 10_000
+
+
+# --- repairs ----------------------------------------------------------------------------------
+
+
+async def test_an_unusable_answer_is_repaired_by_showing_the_model_its_problems(
+    pool: asyncpg.Pool, fake: FakeLLMServer
+) -> None:
+    _, op, end = await one_batch_with_a_marked_memory(pool, fake, REPAIRABLE_MARKER, 5)
+    assert end.status == "completed", end.error
+    perf = end.summary.perf
+    assert (perf.llm_calls, perf.llm_failures, perf.splits, perf.failed) == (2, 1, 0, 0)
+    assert (perf.llm_repairs, perf.llm_repaired) == (1, 1)
+    first, repair = fake.stats()["calls"]
+    assert first["roles"] == ["system", "user"]
+    assert repair["roles"] == ["system", "user", "assistant", "user"]
+    assert "f9999" in repair["turns"][0]
+    assert "unknown fact ref 'f9999'" in repair["turns"][1]
+    assert repair["fact_texts"] == first["fact_texts"]
+    row = await operation_row(pool, op.id)
+    assert row.result is not None
+    assert (row.result["perf"]["llm_repairs"], row.result["perf"]["llm_repaired"]) == (1, 1)
+    assert await markers(pool, "b") == {"consolidated": 8, "failed": 0, "pending": 0}
+    await assert_consistent(pool)
+
+
+# --- real servers' dialects -------------------------------------------------------------------
+
+
+async def consolidate_then_close(
+    pool: asyncpg.Pool, llm: Consolidator, config: Settings | None = None
+) -> OperationEnd:
+    """One foreground operation on bank ``b`` with ``llm``, which is closed afterwards."""
+    try:
+        return await consolidate(pool, "b", llm, config)
+    finally:
+        await llm.aclose()
+
+
+def bank_of(topics: int, per_topic: int) -> list[dict[str, Any]]:
+    return [m for t in range(topics) for m in topic(f"P{t}", per_topic, [f"t{t}"])]
+
+
+async def test_a_llama_cpp_python_endpoint_is_probed_once_and_consolidates_with_a_schema(
+    pool: asyncpg.Pool,
+) -> None:
+    await ingest(pool, "b", bank_of(10, 4))
+    with FakeLLMServer(FakeLLMConfig(dialect="llama-cpp-python", latency_ms=20)) as fake:
+        llm = build_consolidator(load_settings(llm_base_url=fake.url))
+        end = await consolidate_then_close(pool, llm, Settings(group_parallelism=8))
+        calls = fake.stats()["calls"]
+    assert end.status == "completed", end.error
+    assert end.summary.failed == 0 and end.summary.perf.splits == 0
+    assert [c["status"] for c in calls].count(500) == 1
+    assert {(c["response_format"], c["schema"]) for c in calls if c["status"] == 200} == {
+        ("json_object", True)
+    }
+    assert await markers(pool, "b") == {"consolidated": 40, "failed": 0, "pending": 0}
+    await assert_consistent(pool)
+
+
+async def test_an_explicit_json_schema_the_endpoint_refuses_fails_the_operation_at_once(
+    pool: asyncpg.Pool,
+) -> None:
+    await ingest(pool, "b", bank_of(3, 2))
+    op = (await queue.submit(pool, "b", max_attempts=5)).operation
+    with FakeLLMServer(FakeLLMConfig(dialect="llama-cpp-python")) as fake:
+        llm = build_consolidator(
+            load_settings(llm_base_url=fake.url, llm_response_format="json_schema")
+        )
+        try:
+            end = await run_claimed(pool, llm, Settings())
+        finally:
+            await llm.aclose()
+    assert end.status == "failed"
+    row = await operation_row(pool, op.id)
+    assert row.status == "failed" and row.attempt == 1
+    assert row.error is not None and "LLMConfigError" in row.error
+    assert "CONSOLIDATION_LLM_RESPONSE_FORMAT=auto" in row.error
+    assert await markers(pool, "b") == {"consolidated": 0, "failed": 0, "pending": 6}
+    assert await nothing_written(pool)
+
+
+async def test_a_reasoning_models_think_blocks_are_stripped(pool: asyncpg.Pool) -> None:
+    await ingest(pool, "b", bank_of(3, 3))
+    with FakeLLMServer(FakeLLMConfig(think=True, reasoning_content=True)) as fake:
+        llm = http_llm(fake.url)
+        end = await consolidate_then_close(pool, llm)
+    assert end.status == "completed", end.error
+    assert end.summary.perf.llm_failures == 0 and end.summary.failed == 0
+    assert await markers(pool, "b") == {"consolidated": 9, "failed": 0, "pending": 0}
+
+
+async def test_system_role_user_works_with_a_template_that_drops_the_system_message(
+    pool: asyncpg.Pool,
+) -> None:
+    await ingest(pool, "b", bank_of(2, 3))
+    with FakeLLMServer(FakeLLMConfig(drop_system=True)) as fake:
+        llm = build_consolidator(load_settings(llm_base_url=fake.url, llm_system_role="user"))
+        end = await consolidate_then_close(pool, llm)
+        calls = fake.stats()["calls"]
+    assert end.status == "completed", end.error
+    assert end.summary.perf.llm_failures == 0
+    assert {tuple(c["roles"]) for c in calls} == {("user",)}
+    assert await markers(pool, "b") == {"consolidated": 6, "failed": 0, "pending": 0}
+
+
+async def test_an_answer_cut_by_max_tokens_is_logged_as_such(pool: asyncpg.Pool) -> None:
+    memories = [{"text": "Uma " + "collects rare stamps from old letters, " * 12, "tags": ["u"]}]
+    await ingest(pool, "b", memories)
+    with FakeLLMServer() as fake:
+        llm = build_consolidator(load_settings(llm_base_url=fake.url, llm_max_tokens=64))
+        with capture_logs() as logs:
+            end = await consolidate_then_close(pool, llm)
+        calls = fake.stats()["calls"]
+    assert end.status == "completed" and end.summary.failed == 1
+    # The repair asked for twice the tokens; the cap held it at 64.
+    assert [c["max_tokens"] for c in calls] == [64, 64]
+    (failed,) = [e for e in logs if e["event"] == "memory_failed"]
+    assert "cut off by max_tokens=64" in failed["reason"]
+    assert "CONSOLIDATION_LLM_MAX_TOKENS=64" in failed["reason"]
+
+
+# --- endpoint faults that look like answers (#10) ---------------------------------------------
+
+
+async def test_a_200_html_page_fails_the_attempt_marks_nothing_and_the_retry_completes(
+    pool: asyncpg.Pool, fake: FakeLLMServer
+) -> None:
+    await ingest(pool, "b", bank_of(10, 4))
+    op = (await queue.submit(pool, "b", max_attempts=3)).operation
+    fake.control(envelope="html")
+    llm = http_llm(fake.url, max_retries=2)
+    config = Settings(retry_backoff_s=0)
+    try:
+        first = await run_claimed(pool, llm, config)
+        row = await operation_row(pool, op.id)
+        assert first.status == "pending" and row.status == "pending"
+        assert row.error is not None and "LLMRetriesExhausted" in row.error
+        assert "not a chat completion" in row.error and "502 Bad Gateway" in row.error
+        assert first.summary.perf.splits == 0 and first.summary.perf.llm_failures == 0
+        assert await markers(pool, "b") == {"consolidated": 0, "failed": 0, "pending": 40}
+        assert await nothing_written(pool)
+
+        fake.control(envelope="completion")
+        second = await run_claimed(pool, llm, config)
+    finally:
+        await llm.aclose()
+    assert second.status == "completed", second.error
+    assert second.summary.failed == 0
+    assert await markers(pool, "b") == {"consolidated": 40, "failed": 0, "pending": 0}
+    await assert_consistent(pool)
+
+
+async def test_a_hanging_endpoint_fails_the_attempt_when_the_retry_budget_is_spent(
+    pool: asyncpg.Pool, fake: FakeLLMServer
+) -> None:
+    fake.control(script=[{"hang": True}] * 50)
+    await ingest(pool, "b", topic("Ola", 2, ["ola"]))
+    # The default budget is twice the timeout: two tries, not the five LLM_MAX_RETRIES allows.
+    settings = load_settings(
+        llm_base_url=fake.url, llm_timeout_s=0.3, llm_max_retries=4, llm_backoff_max_s=0.01
+    )
+    llm = build_consolidator(settings)
+    end = await consolidate_then_close(pool, llm)
+    assert end.status == "failed"
+    assert end.error is not None and "retry budget of 0.6s spent" in end.error
+    assert "after 2 attempt(s)" in end.error
+    assert await markers(pool, "b") == {"consolidated": 0, "failed": 0, "pending": 2}

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -279,3 +281,179 @@ async def test_create_app_serves_in_process() -> None:
         response = await client.post("/v1/chat/completions", json=chat_body("Alice is here."))
     assert response.status_code == 200
     assert orjson.loads(response.json()["choices"][0]["message"]["content"])["creates"]
+
+
+# --- imitating real servers -------------------------------------------------------------------
+
+
+def _with(body: dict[str, Any], **changes: Any) -> dict[str, Any]:
+    return {**body, **changes}
+
+
+_SCHEMA = {"type": "object", "properties": {}, "additionalProperties": False}
+_JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "n", "schema": _SCHEMA}}
+_OBJECT_SCHEMA = {"type": "json_object", "schema": _SCHEMA}
+
+
+async def test_records_response_format_schema_max_tokens_and_roles(
+    fake: FakeLLMServer, http: httpx.AsyncClient
+) -> None:
+    await http.post("/chat/completions", json=_with(chat_body("a"), response_format=_JSON_SCHEMA))
+    await http.post(
+        "/chat/completions",
+        json=_with(chat_body("a"), response_format=_OBJECT_SCHEMA, max_tokens=300),
+    )
+    body = chat_body("a")
+    del body["response_format"]
+    body["messages"] += [
+        {"role": "assistant", "content": "{}"},
+        {"role": "user", "content": "fix it"},
+    ]
+    await http.post("/chat/completions", json=body)
+    calls = fake.stats()["calls"]
+    assert [(c["response_format"], c["schema"], c["max_tokens"]) for c in calls] == [
+        ("json_schema", True, None),
+        ("json_object", True, 300),
+        (None, False, None),
+    ]
+    assert calls[0]["roles"] == ["system", "user"]
+    assert calls[2]["roles"] == ["system", "user", "assistant", "user"]
+    assert calls[2]["turns"] == ["{}", "fix it"]
+    assert [c["instructed"] for c in calls] == [False, False, False]
+    # The §3 object is found in the first user message, not in the repair note.
+    assert calls[2]["fact_texts"] == ["a"] and calls[2]["status"] == 200
+
+
+async def test_llama_cpp_python_refuses_json_schema_with_a_500_literal_error() -> None:
+    with FakeLLMServer(FakeLLMConfig(dialect="llama-cpp-python")) as fake:
+        async with httpx.AsyncClient(base_url=fake.url) as http:
+            refused = await http.post(
+                "/chat/completions", json=_with(chat_body("a"), response_format=_JSON_SCHEMA)
+            )
+            constrained = await http.post(
+                "/chat/completions", json=_with(chat_body("a"), response_format=_OBJECT_SCHEMA)
+            )
+    assert refused.status_code == 500
+    message = refused.json()["error"]["message"]
+    assert "literal_error" in message and "response_format" in message
+    assert constrained.status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("dialect", "object_with_schema"), [("no-schema", 200), ("json-object-only", 400)]
+)
+async def test_servers_without_schema_support_refuse_json_schema_with_a_400(
+    dialect: str, object_with_schema: int
+) -> None:
+    with FakeLLMServer(FakeLLMConfig(dialect=dialect)) as fake:
+        async with httpx.AsyncClient(base_url=fake.url) as http:
+            schema = await http.post(
+                "/chat/completions", json=_with(chat_body("a"), response_format=_JSON_SCHEMA)
+            )
+            with_schema = await http.post(
+                "/chat/completions", json=_with(chat_body("a"), response_format=_OBJECT_SCHEMA)
+            )
+            plain = await http.post("/chat/completions", json=chat_body("a"))
+    assert schema.status_code == 400 and "response_format" in schema.json()["error"]["message"]
+    assert with_schema.status_code == object_with_schema
+    assert plain.status_code == 200
+
+
+async def test_max_tokens_cuts_a_longer_answer_unless_told_to_ignore_it(
+    fake: FakeLLMServer, http: httpx.AsyncClient
+) -> None:
+    body = _with(chat_body("Alice " + "drinks green tea, " * 30), max_tokens=20)
+    cut = (await http.post("/chat/completions", json=body)).json()
+    assert cut["choices"][0]["finish_reason"] == "length"
+    assert len(cut["choices"][0]["message"]["content"]) == 80
+    assert cut["usage"]["completion_tokens"] == 20
+    fake.control(honour_max_tokens=False)
+    whole = (await http.post("/chat/completions", json=body)).json()
+    assert whole["choices"][0]["finish_reason"] == "stop"
+    assert orjson.loads(whole["choices"][0]["message"]["content"])["creates"]
+
+
+async def test_padding_costs_no_tokens(fake: FakeLLMServer, http: httpx.AsyncClient) -> None:
+    plain = (await http.post("/chat/completions", json=chat_body("Alice is here."))).json()
+    fake.control(pad_bytes=100_000)
+    body = _with(chat_body("Alice is here."), max_tokens=1000)
+    padded = (await http.post("/chat/completions", json=body)).json()
+    assert padded["choices"][0]["finish_reason"] == "stop"
+    assert padded["usage"]["completion_tokens"] == plain["usage"]["completion_tokens"]
+
+
+async def test_think_puts_a_think_block_before_the_answer_and_reasoning_content_beside_it() -> None:
+    with FakeLLMServer(FakeLLMConfig(think=True, reasoning_content=True)) as fake:
+        async with httpx.AsyncClient(base_url=fake.url) as http:
+            message = (await http.post("/chat/completions", json=chat_body("a"))).json()["choices"][
+                0
+            ]["message"]
+    assert message["content"].startswith("<think>")
+    _, _, answer = message["content"].partition("</think>")
+    assert orjson.loads(answer)["creates"]
+    assert message["reasoning_content"]
+
+
+async def test_a_template_that_drops_the_system_message_leaves_the_model_uninstructed() -> None:
+    with FakeLLMServer(FakeLLMConfig(drop_system=True)) as fake:
+        async with httpx.AsyncClient(base_url=fake.url) as http:
+            with_system = (await http.post("/chat/completions", json=chat_body("a"))).json()
+            body = chat_body("a")
+            system, user = body["messages"]
+            body["messages"] = [
+                {"role": "user", "content": system["content"] + "\n\n" + user["content"]}
+            ]
+            in_user = (await http.post("/chat/completions", json=body)).json()
+    prose = with_system["choices"][0]["message"]["content"]
+    with pytest.raises(orjson.JSONDecodeError):
+        orjson.loads(prose)
+    assert with_system["usage"]["prompt_tokens"] == (len(user["content"]) + 3) // 4
+    assert orjson.loads(in_user["choices"][0]["message"]["content"])["creates"]
+
+
+@pytest.mark.parametrize(
+    ("envelope", "media_type"), [("html", "text/html"), ("no-choices", "json")]
+)
+async def test_envelope_answers_200_with_a_body_that_is_not_a_chat_completion(
+    fake: FakeLLMServer, http: httpx.AsyncClient, envelope: str, media_type: str
+) -> None:
+    fake.control(envelope=envelope)
+    response = await http.post("/chat/completions", json=chat_body("a"))
+    assert response.status_code == 200
+    assert media_type in response.headers["content-type"]
+    assert "choices" not in response.text
+    fake.control(envelope="completion")
+    assert "choices" in (await http.post("/chat/completions", json=chat_body("a"))).json()
+
+
+async def test_a_repairable_fact_is_answered_well_only_after_a_repair(
+    http: httpx.AsyncClient,
+) -> None:
+    body = chat_body("Alice lives in Paris. [[repairable]]")
+    first = (await http.post("/chat/completions", json=body)).json()
+    assert "f9999" in first["choices"][0]["message"]["content"]
+    body["messages"] += [
+        {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "f9999 is not a fact ref"},
+    ]
+    second = (await http.post("/chat/completions", json=body)).json()
+    assert orjson.loads(second["choices"][0]["message"]["content"])["creates"][0]["facts"] == ["f1"]
+
+
+def test_unknown_dialects_and_envelopes_are_rejected(fake: FakeLLMServer) -> None:
+    with pytest.raises(ValueError, match="dialect"):
+        fake.control(dialect="ollama-2")
+    with pytest.raises(ValueError, match="envelope"):
+        FakeLLMConfig(envelope="xml")
+
+
+def test_the_cli_rejects_an_unknown_dialect_in_one_line() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "consolidation.cli", "fake-llm", "--dialect", "ollama-2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode != 0
+    assert "dialect must be one of" in done.stderr and done.stderr.count("\n") == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -14,6 +15,7 @@ from uuid import uuid4
 import orjson
 import pytest
 from prometheus_client import REGISTRY
+from structlog.testing import capture_logs
 
 from consolidation import prompts
 from consolidation.errors import InvalidLLMOutput, LLMConfigError, TransientLLMError
@@ -44,6 +46,15 @@ def user_message(*facts: str, bank: str = "b1", scope: tuple[str, ...] = ("x",))
             "observations": [],
         }
     ).decode()
+
+
+def chat(*facts: str, bank: str = "b1", scope: tuple[str, ...] = ("x",)) -> prompts.Chat:
+    """The first request of a pass over ``facts`` (no observations), as the engine builds it."""
+    request = prompts.build_request(
+        bank, scope, None, [prompts.FactInput(uuid4(), text, scope, None) for text in facts], []
+    )
+    assert request.user_content == user_message(*facts, bank=bank, scope=scope)
+    return dataclasses.replace(prompts.pass_chat(request), system=SYSTEM)
 
 
 def metric(name: str, **labels: str) -> float:
@@ -80,7 +91,7 @@ async def make_client() -> AsyncIterator[Callable[..., HTTPConsolidator]]:
 
 async def test_complete_returns_content_and_usage(fake: FakeLLMServer, make_client: Any) -> None:
     client = make_client(fake.url + "/")
-    answer = await client.complete(SYSTEM, user_message("Alice lives in Paris."))
+    answer = await client.complete(chat("Alice lives in Paris."))
     body = orjson.loads(answer.content)
     assert body["creates"][0]["facts"] == ["f1"]
     assert answer.prompt_tokens > 0
@@ -97,7 +108,7 @@ async def test_two_503s_then_success_counts_retries(fake: FakeLLMServer, make_cl
     fake.control(script=[{"status": 503}, {"status": 503}])
     retries_before = metric("consolidation_llm_requests_total", outcome="retry")
     ok_before = metric("consolidation_llm_requests_total", outcome="ok")
-    answer = await make_client(fake.url).complete(SYSTEM, user_message("a fact"))
+    answer = await make_client(fake.url).complete(chat("a fact"))
     assert answer.retries == 2
     stats = fake.stats()
     assert stats["requests"] == 3
@@ -111,7 +122,7 @@ async def test_exhausted_retries_raise_transient_error(
 ) -> None:
     fake.control(fail_rate=1.0, fail_status=502)
     with pytest.raises(TransientLLMError) as caught:
-        await make_client(fake.url, max_retries=2).complete(SYSTEM, user_message("a fact"))
+        await make_client(fake.url, max_retries=2).complete(chat("a fact"))
     assert isinstance(caught.value, LLMRetriesExhausted)
     assert caught.value.attempts == 3
     assert "502" in str(caught.value)
@@ -120,7 +131,7 @@ async def test_exhausted_retries_raise_transient_error(
 
 async def test_408_and_429_are_retried(fake: FakeLLMServer, make_client: Any) -> None:
     fake.control(script=[{"status": 408}, {"status": 429}])
-    answer = await make_client(fake.url).complete(SYSTEM, user_message("a fact"))
+    answer = await make_client(fake.url).complete(chat("a fact"))
     assert answer.retries == 2
 
 
@@ -129,7 +140,7 @@ async def test_retry_after_is_honoured(fake: FakeLLMServer, make_client: Any) ->
     honoured_before = metric("consolidation_llm_retry_after_honoured_total")
     # Backoff alone would wait at most 1 ms; only Retry-After explains the gap.
     client = make_client(fake.url, backoff_max_s=0.1)
-    answer = await client.complete(SYSTEM, user_message("a fact"))
+    answer = await client.complete(chat("a fact"))
     assert answer.retries == 1
     failed, retried = fake.stats()["calls"]
     assert failed["status"] == 503
@@ -140,7 +151,7 @@ async def test_retry_after_is_honoured(fake: FakeLLMServer, make_client: Any) ->
 async def test_401_is_a_config_error_without_retry(make_client: Any) -> None:
     with FakeLLMServer(FakeLLMConfig(api_key="secret")) as fake:
         with pytest.raises(LLMConfigError) as caught:
-            await make_client(fake.url).complete(SYSTEM, user_message("a fact"))
+            await make_client(fake.url).complete(chat("a fact"))
         message = str(caught.value)
         assert "401" in message
         assert f"{fake.url}/chat/completions" in message
@@ -150,7 +161,7 @@ async def test_401_is_a_config_error_without_retry(make_client: Any) -> None:
 
 async def test_api_key_is_sent_as_bearer_token(make_client: Any) -> None:
     with FakeLLMServer(FakeLLMConfig(api_key="secret")) as fake:
-        answer = await make_client(fake.url, api_key="secret").complete(SYSTEM, user_message("a"))
+        answer = await make_client(fake.url, api_key="secret").complete(chat("a"))
         assert answer.finish_reason == "stop"
 
 
@@ -160,7 +171,7 @@ async def test_403_and_404_are_config_errors(
 ) -> None:
     fake.control(script=[{"status": status}])
     with pytest.raises(LLMConfigError, match=str(status)):
-        await make_client(fake.url).complete(SYSTEM, user_message("a fact"))
+        await make_client(fake.url).complete(chat("a fact"))
     assert fake.stats()["requests"] == 1
 
 
@@ -170,40 +181,17 @@ async def test_400_and_422_are_invalid_output_without_retry(
 ) -> None:
     fake.control(script=[{"status": status, "body": "prompt is too long"}])
     with pytest.raises(InvalidLLMOutput, match="prompt is too long"):
-        await make_client(fake.url).complete(SYSTEM, user_message("a fact"))
+        await make_client(fake.url).complete(chat("a fact"))
     assert fake.stats()["requests"] == 1
 
 
-async def test_400_about_response_format_falls_back_to_json_object(
-    fake: FakeLLMServer, make_client: Any
-) -> None:
-    refusal = '{"error": {"message": "response_format json_schema is not supported"}}'
-    fake.control(script=[{"status": 400, "body": refusal}])
-    client = make_client(fake.url)
-    answer = await client.complete(SYSTEM, user_message("a fact"))
-    assert answer.retries == 1
-    assert client.response_format_mode == "json_object"
-    await client.complete(SYSTEM, user_message("another fact"))
-    formats = [call["response_format"] for call in fake.stats()["calls"]]
-    assert formats == ["json_schema", "json_object", "json_object"]
-
-
-async def test_400_about_response_format_in_json_object_mode_is_invalid(
-    fake: FakeLLMServer, make_client: Any
-) -> None:
-    fake.control(script=[{"status": 400, "body": "response_format is not supported"}])
-    client = make_client(fake.url, response_format="json_object")
-    with pytest.raises(InvalidLLMOutput):
-        await client.complete(SYSTEM, user_message("a fact"))
-    assert fake.stats()["requests"] == 1
-
-
-async def test_finish_reason_length_is_invalid_output(
+async def test_finish_reason_length_is_invalid_output_carrying_the_cut_answer(
     fake: FakeLLMServer, make_client: Any
 ) -> None:
     fake.control(script=[{"content": '{"creates": [', "finish_reason": "length"}])
-    with pytest.raises(InvalidLLMOutput, match="truncated"):
-        await make_client(fake.url).complete(SYSTEM, user_message("a fact"))
+    with pytest.raises(InvalidLLMOutput, match="cut off by max_tokens=1280") as caught:
+        await make_client(fake.url).complete(chat("a fact"))
+    assert caught.value.truncated and caught.value.answer == '{"creates": ['
     assert fake.stats()["requests"] == 1
 
 
@@ -211,24 +199,53 @@ async def test_finish_reason_length_is_invalid_output(
     "script_item",
     [
         {"content": ""},
-        {"status": 200, "body": '{"object": "list"}'},
-        {"status": 200, "body": '{"choices": []}'},
+        {"content": "  \n"},
         {"status": 200, "body": '{"choices": [{"message": {"content": null}}]}'},
+        {"status": 200, "body": '{"choices": [{"message": {"content": null, "refusal": "no"}}]}'},
     ],
 )
-async def test_unusable_200_is_invalid_output(
+async def test_an_empty_assistant_content_is_invalid_output(
     fake: FakeLLMServer, make_client: Any, script_item: dict[str, Any]
 ) -> None:
     fake.control(script=[script_item])
-    with pytest.raises(InvalidLLMOutput):
-        await make_client(fake.url).complete(SYSTEM, user_message("a fact"))
+    with pytest.raises(InvalidLLMOutput, match="empty content"):
+        await make_client(fake.url).complete(chat("a fact"))
     assert fake.stats()["requests"] == 1
+
+
+@pytest.mark.parametrize(
+    "script_item",
+    [
+        {"status": 200, "body": '{"object": "list"}'},
+        {"status": 200, "body": '{"choices": []}'},
+        {"status": 200, "body": '{"choices": [{"text": "legacy completion"}]}'},
+        {"status": 200, "body": '{"error": {"message": "upstream timed out"}}'},
+    ],
+)
+async def test_a_200_that_is_not_a_chat_completion_is_retried_as_an_endpoint_fault(
+    fake: FakeLLMServer, make_client: Any, script_item: dict[str, Any]
+) -> None:
+    fake.control(script=[script_item])
+    answer = await make_client(fake.url).complete(chat("a fact"))
+    assert answer.retries == 1
+    assert fake.stats()["statuses"] == {200: 2}
+
+
+async def test_an_html_200_on_every_try_exhausts_the_retries(
+    fake: FakeLLMServer, make_client: Any
+) -> None:
+    fake.control(envelope="html")
+    with pytest.raises(LLMRetriesExhausted, match="not a chat completion") as caught:
+        await make_client(fake.url, max_retries=2).complete(chat("a fact"))
+    assert caught.value.attempts == 3
+    assert "502 Bad Gateway" in str(caught.value)
+    assert fake.stats()["requests"] == 3
 
 
 async def test_missing_usage_counts_zero_tokens(fake: FakeLLMServer, make_client: Any) -> None:
     body = '{"choices": [{"message": {"content": "{}"}, "finish_reason": "stop"}]}'
     fake.control(script=[{"status": 200, "body": body}])
-    answer = await make_client(fake.url).complete(SYSTEM, user_message("a fact"))
+    answer = await make_client(fake.url).complete(chat("a fact"))
     assert (answer.content, answer.prompt_tokens, answer.completion_tokens) == ("{}", 0, 0)
 
 
@@ -238,11 +255,11 @@ async def test_poison_markers_reach_the_caller_as_unusable_answers(
     client = make_client(fake.url)
     for marker in ("[[truncate]]", "[[empty]]"):
         with pytest.raises(InvalidLLMOutput):
-            await client.complete(SYSTEM, user_message("fine fact", f"bad {marker} fact"))
+            await client.complete(chat("fine fact", f"bad {marker} fact"))
     # Content the client cannot judge is returned; prompts.parse_answer rejects it.
-    badjson = await client.complete(SYSTEM, user_message("[[badjson]]"))
+    badjson = await client.complete(chat("[[badjson]]"))
     assert badjson.content == "this is not json"
-    poison = await client.complete(SYSTEM, user_message("[[poison]]"))
+    poison = await client.complete(chat("[[poison]]"))
     assert "f9999" in orjson.loads(poison.content)["creates"][0]["facts"]
 
 
@@ -252,7 +269,7 @@ async def test_timeout_is_transient_and_aborts_the_request(
     fake.control(script=[{"hang": True}])
     client = make_client(fake.url, timeout_s=0.2, max_retries=0)
     with pytest.raises(TransientLLMError, match="no answer within"):
-        await client.complete(SYSTEM, user_message("a fact"))
+        await client.complete(chat("a fact"))
     await wait_for(lambda: fake.stats()["aborted"] == 1)
 
 
@@ -262,7 +279,7 @@ async def test_connection_refused_is_transient(make_client: Any) -> None:
         port = sock.getsockname()[1]
     client = make_client(f"http://127.0.0.1:{port}/v1", max_retries=1)
     with pytest.raises(LLMRetriesExhausted) as caught:
-        await client.complete(SYSTEM, user_message("a fact"))
+        await client.complete(chat("a fact"))
     assert caught.value.attempts == 2
 
 
@@ -270,7 +287,7 @@ async def test_cancelling_the_caller_aborts_the_http_request(
     fake: FakeLLMServer, make_client: Any
 ) -> None:
     fake.control(script=[{"hang": True}])
-    task = asyncio.create_task(make_client(fake.url).complete(SYSTEM, user_message("a fact")))
+    task = asyncio.create_task(make_client(fake.url).complete(chat("a fact")))
     await wait_for(lambda: fake.stats()["in_flight"] == 1)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -285,7 +302,7 @@ async def test_max_concurrent_caps_requests_in_flight(
     fake.control(latency_ms=50)
     client = make_client(fake.url, max_concurrent=3)
     answers = await asyncio.gather(
-        *(client.complete(SYSTEM, user_message(f"fact {i}", scope=(f"s{i}",))) for i in range(12))
+        *(client.complete(chat(f"fact {i}", scope=(f"s{i}",))) for i in range(12))
     )
     assert len(answers) == 12
     stats = fake.stats()
@@ -306,7 +323,7 @@ async def test_requests_go_through_the_proxy_the_environment_names(
     monkeypatch.setenv("HTTP_PROXY", fake.url.removesuffix("/v1"))
     # llm.invalid never resolves: only the proxy (the fake, taking the absolute-form request)
     # can answer.
-    answer = await make_client("http://llm.invalid/v1").complete(SYSTEM, user_message("a fact"))
+    answer = await make_client("http://llm.invalid/v1").complete(chat("a fact"))
     assert orjson.loads(answer.content)["creates"]
     assert fake.stats()["completed"] == 1
 
@@ -320,11 +337,11 @@ async def test_no_proxy_exempts_the_llm_host(
         dead_proxy = f"http://127.0.0.1:{sock.getsockname()[1]}"
     monkeypatch.setenv("HTTP_PROXY", dead_proxy)
     monkeypatch.setenv("NO_PROXY", "127.0.0.1")
-    await make_client(fake.url, max_retries=0).complete(SYSTEM, user_message("a fact"))
+    await make_client(fake.url, max_retries=0).complete(chat("a fact"))
     assert fake.stats()["completed"] == 1
     monkeypatch.delenv("NO_PROXY")
     with pytest.raises(LLMRetriesExhausted):
-        await make_client(fake.url, max_retries=0).complete(SYSTEM, user_message("a fact"))
+        await make_client(fake.url, max_retries=0).complete(chat("a fact"))
 
 
 def test_invalid_base_url_is_a_config_error() -> None:
@@ -339,7 +356,7 @@ async def test_offline_consolidator_returns_a_valid_answer() -> None:
     ]
     request = prompts.build_request("b1", ("x",), None, facts, [])
     consolidator = OfflineConsolidator()
-    answer = await consolidator.complete(prompts.SYSTEM_PROMPT, request.user_content)
+    answer = await consolidator.complete(prompts.pass_chat(request))
     await consolidator.aclose()
     plan = prompts.parse_answer(answer.content, request)
     assert set(plan.citations()) == {fact.memory_id for fact in facts}
@@ -405,3 +422,247 @@ async def test_lag_monitor_stops_its_task_on_exit() -> None:
         pass
     tasks = {task.get_name() for task in asyncio.all_tasks()}
     assert "event-loop-lag-monitor" not in tasks
+
+
+# --- response_format dialects -----------------------------------------------------------------
+
+
+def _formats(fake: FakeLLMServer) -> list[tuple[str | None, bool, int | None]]:
+    return [(c["response_format"], c["schema"], c["status"]) for c in fake.stats()["calls"]]
+
+
+async def test_auto_sends_json_schema_with_the_pass_refs_pinned(make_client: Any) -> None:
+    with FakeLLMServer() as fake:
+        request = prompts.build_request(
+            "b1",
+            ("x",),
+            None,
+            [prompts.FactInput(uuid4(), "Alice lives in Paris.", ("x",), None)],
+            [prompts.ObservationInput(uuid4(), "Alice lives in France.", 1, datetime.now(UTC))],
+        )
+        client = make_client(fake.url)
+        await client.complete(prompts.pass_chat(request))
+        assert _formats(fake) == [("json_schema", True, 200)]
+        assert client.response_format_mode == "json_schema"
+
+
+async def test_auto_falls_back_from_llama_cpp_pythons_500_to_json_object_with_a_schema(
+    make_client: Any,
+) -> None:
+    with FakeLLMServer(FakeLLMConfig(dialect="llama-cpp-python")) as fake:
+        transient_before = metric("consolidation_llm_requests_total", outcome="transient")
+        client = make_client(fake.url, max_retries=0)
+        with capture_logs() as logs:
+            answer = await client.complete(chat("a fact"))
+            await client.complete(chat("another fact"))
+        # The 500 is a refusal, not an outage: no retry was spent on it (max_retries=0).
+        assert answer.retries == 1
+        assert _formats(fake) == [
+            ("json_schema", True, 500),
+            ("json_object", True, 200),
+            ("json_object", True, 200),
+        ]
+        assert client.response_format_mode == "json_object+schema"
+        assert metric("consolidation_llm_requests_total", outcome="transient") == transient_before
+        assert not [e for e in logs if e["event"] == "llm_retry"]
+        (chosen,) = [e for e in logs if e["event"] == "llm_response_format"]
+        assert chosen["response_format"] == "json_object+schema"
+        assert chosen["constrained_decoding"] is True
+        assert chosen["refused"][0]["status"] == 500
+        assert "literal_error" in chosen["refused"][0]["detail"]
+
+
+async def test_auto_keeps_the_schema_for_a_server_that_ignores_it_in_json_object(
+    make_client: Any,
+) -> None:
+    with FakeLLMServer(FakeLLMConfig(dialect="no-schema")) as fake:
+        client = make_client(fake.url)
+        await client.complete(chat("a fact"))
+        assert _formats(fake) == [("json_schema", True, 400), ("json_object", True, 200)]
+
+
+async def test_auto_ends_at_plain_json_object_and_warns_that_decoding_is_unconstrained(
+    make_client: Any,
+) -> None:
+    with FakeLLMServer(FakeLLMConfig(dialect="json-object-only")) as fake:
+        client = make_client(fake.url)
+        with capture_logs() as logs:
+            answer = await client.complete(chat("a fact"))
+        assert answer.retries == 2
+        assert _formats(fake) == [
+            ("json_schema", True, 400),
+            ("json_object", True, 400),
+            ("json_object", False, 200),
+        ]
+        assert client.response_format_mode == "json_object"
+        (chosen,) = [e for e in logs if e["event"] == "llm_response_format"]
+        assert chosen["log_level"] == "warning" and chosen["constrained_decoding"] is False
+        assert [r["response_format"] for r in chosen["refused"]] == [
+            "json_schema",
+            "json_object+schema",
+        ]
+
+
+async def test_auto_probes_once_while_many_passes_start_together(make_client: Any) -> None:
+    with FakeLLMServer(FakeLLMConfig(dialect="llama-cpp-python", latency_ms=20)) as fake:
+        client = make_client(fake.url, max_concurrent=8)
+        with capture_logs() as logs:
+            await asyncio.gather(
+                *(client.complete(chat(f"fact {i}", scope=(f"s{i}",))) for i in range(12))
+            )
+        stats = fake.stats()
+        assert stats["statuses"] == {500: 1, 200: 12}
+        assert stats["max_in_flight"] > 1  # settled, the passes run in parallel again
+        assert len([e for e in logs if e["event"] == "llm_response_format"]) == 1
+
+
+async def test_passes_do_not_queue_behind_a_probe_that_times_out(make_client: Any) -> None:
+    with FakeLLMServer() as fake:
+        fake.control(script=[{"hang": True}] * 4)
+        client = make_client(fake.url, timeout_s=0.3, max_retries=0)
+        results = await asyncio.gather(
+            *(client.complete(chat(f"fact {i}", scope=(f"s{i}",))) for i in range(4)),
+            return_exceptions=True,
+        )
+        assert all(isinstance(r, LLMRetriesExhausted) for r in results)
+        # The probe hung alone; once it timed out without a verdict the other three went
+        # together (queued one by one, at most two would overlap: one leaving, one arriving).
+        assert fake.stats()["max_in_flight"] >= 3
+        assert client.response_format_mode == "json_schema"
+
+
+async def test_auto_gives_a_config_error_when_every_form_is_refused(
+    fake: FakeLLMServer, make_client: Any
+) -> None:
+    refusal = {"status": 400, "body": "response_format is not supported by this server"}
+    fake.control(script=[refusal] * 3)
+    client = make_client(fake.url)
+    with pytest.raises(LLMConfigError, match="refuses every response_format"):
+        await client.complete(chat("a fact"))
+    assert [f for f, _, _ in _formats(fake)] == ["json_schema", "json_object", "json_object"]
+
+
+@pytest.mark.parametrize(("dialect", "status"), [("llama-cpp-python", 500), ("no-schema", 400)])
+async def test_an_explicit_json_schema_refused_is_a_config_error_without_retry(
+    make_client: Any, dialect: str, status: int
+) -> None:
+    with FakeLLMServer(FakeLLMConfig(dialect=dialect)) as fake:
+        client = make_client(fake.url, response_format="json_schema")
+        with pytest.raises(LLMConfigError, match="CONSOLIDATION_LLM_RESPONSE_FORMAT") as caught:
+            await client.complete(chat("a fact"))
+        assert f"HTTP {status}" in str(caught.value)
+        assert fake.stats()["requests"] == 1
+
+
+async def test_an_explicit_json_object_is_sent_without_a_schema(make_client: Any) -> None:
+    with FakeLLMServer(FakeLLMConfig(dialect="json-object-only")) as fake:
+        await make_client(fake.url, response_format="json_object").complete(chat("a fact"))
+        assert _formats(fake) == [("json_object", False, 200)]
+
+
+async def test_a_500_that_does_not_name_the_response_format_is_an_outage(
+    fake: FakeLLMServer, make_client: Any
+) -> None:
+    fake.control(script=[{"status": 500, "body": "CUDA out of memory"}])
+    client = make_client(fake.url)
+    answer = await client.complete(chat("a fact"))
+    assert answer.retries == 1
+    assert client.response_format_mode == "json_schema"
+
+
+# --- max_tokens, reasoning models, system role ------------------------------------------------
+
+
+async def test_max_tokens_is_derived_from_the_pass_and_capped_by_the_setting(
+    fake: FakeLLMServer, make_client: Any
+) -> None:
+    await make_client(fake.url).complete(chat("one"))
+    await make_client(fake.url).complete(chat("one", "two", "three"))
+    await make_client(fake.url, max_tokens=1500).complete(chat("one", "two", "three"))
+    sent = [c["max_tokens"] for c in fake.stats()["calls"]]
+    base, per_fact = prompts.MAX_TOKENS_BASE, prompts.MAX_TOKENS_PER_FACT
+    assert sent == [base + per_fact, base + 3 * per_fact, 1500]
+
+
+async def test_an_answer_cut_at_max_tokens_says_so_and_names_the_setting(
+    fake: FakeLLMServer, make_client: Any
+) -> None:
+    client = make_client(fake.url, max_tokens=64)
+    with pytest.raises(InvalidLLMOutput) as caught:
+        await client.complete(chat("Alice " + "likes green tea very much, " * 20))
+    message = str(caught.value)
+    assert "cut off by max_tokens=64" in message
+    assert "CONSOLIDATION_LLM_MAX_TOKENS=64" in message
+    assert caught.value.truncated
+    assert caught.value.answer is not None and len(caught.value.answer) == 64 * 4
+    assert fake.stats()["calls"][0]["max_tokens"] == 64
+
+
+async def test_a_think_block_before_the_answer_is_stripped(make_client: Any) -> None:
+    with FakeLLMServer(FakeLLMConfig(think=True)) as fake:
+        answer = await make_client(fake.url).complete(chat("Alice lives in Paris."))
+    assert answer.content.startswith("{")
+    assert orjson.loads(answer.content)["creates"][0]["facts"] == ["f1"]
+
+
+async def test_reasoning_content_is_ignored(make_client: Any) -> None:
+    with FakeLLMServer(FakeLLMConfig(reasoning_content=True)) as fake:
+        answer = await make_client(fake.url).complete(chat("Alice lives in Paris."))
+    assert orjson.loads(answer.content)["creates"][0]["facts"] == ["f1"]
+
+
+@pytest.mark.parametrize(("system_role", "usable"), [("system", False), ("user", True)])
+async def test_system_role_user_reaches_a_template_that_drops_the_system_message(
+    make_client: Any, system_role: str, usable: bool
+) -> None:
+    with FakeLLMServer(FakeLLMConfig(drop_system=True)) as fake:
+        client = make_client(fake.url, system_role=system_role)
+        answer = await client.complete(chat("Alice lives in Paris."))
+        (call,) = fake.stats()["calls"]
+    assert call["roles"] == (["user"] if system_role == "user" else ["system", "user"])
+    assert call["instructed"] is usable
+    assert call["fact_texts"] == ["Alice lives in Paris."]
+    # Without the instructions the model answers prose; with them in the user message, JSON.
+    assert answer.content.startswith("{") is usable
+
+
+@pytest.mark.parametrize(
+    ("system_role", "roles"),
+    [("system", ["system", "user", "assistant", "user"]), ("user", ["user", "assistant", "user"])],
+)
+async def test_a_repair_is_sent_as_an_assistant_turn_and_a_user_turn(
+    fake: FakeLLMServer, make_client: Any, system_role: str, roles: list[str]
+) -> None:
+    first = chat("Alice lives in Paris.")
+    error = InvalidLLMOutput("bad", answer='{"creates": []', problems=["not valid JSON"])
+    await make_client(fake.url, system_role=system_role).complete(prompts.repair_chat(first, error))
+    (call,) = fake.stats()["calls"]
+    assert call["roles"] == roles
+    assert call["turns"][0] == '{"creates": []'
+    assert "not valid JSON" in call["turns"][1]
+    assert call["fact_texts"] == ["Alice lives in Paris."]
+
+
+# --- the time budget of one call --------------------------------------------------------------
+
+
+async def test_a_hanging_endpoint_is_given_up_on_when_the_retry_budget_is_spent(
+    fake: FakeLLMServer, make_client: Any
+) -> None:
+    fake.control(script=[{"hang": True}] * 100)
+    client = make_client(fake.url, timeout_s=0.2, retry_budget_s=0.5, max_retries=50)
+    with pytest.raises(LLMRetriesExhausted) as caught:
+        await client.complete(chat("a fact"))
+    message = str(caught.value)
+    assert "retry budget of 0.5s spent" in message
+    assert "CONSOLIDATION_LLM_RETRY_BUDGET_S" in message
+    # The budget, not the 50 retries, ended it; every abandoned request was aborted.
+    assert caught.value.attempts < 10
+    await wait_for(lambda: fake.stats()["aborted"] == caught.value.attempts)
+
+
+def test_a_retry_budget_shorter_than_the_timeout_is_rejected() -> None:
+    with pytest.raises(ValueError, match="retry_budget_s"):
+        HTTPConsolidator(
+            base_url="http://127.0.0.1:1/v1", model="m", timeout_s=10, retry_budget_s=5
+        )

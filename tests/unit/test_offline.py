@@ -216,6 +216,7 @@ _words = st.sampled_from(
 _texts = st.one_of(
     st.lists(_words, max_size=12).map(" ".join),
     st.text(max_size=40),
+    st.lists(st.sampled_from([".", "…", " ", "\t", "!", "-"]), max_size=6).map("".join),
     st.just("x " * 2500),
     st.just("Long sentence. " * 400),
 )

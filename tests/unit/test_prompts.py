@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from datetime import UTC, datetime, timedelta, timezone
 from typing import Any
 from uuid import UUID, uuid4
@@ -16,7 +17,6 @@ from consolidation import prompts
 from consolidation.errors import InvalidLLMOutput
 from consolidation.prompts import (
     MAX_OBSERVATION_CHARS,
-    RESPONSE_SCHEMA,
     SYSTEM_PROMPT,
     CreateAction,
     FactInput,
@@ -26,7 +26,10 @@ from consolidation.prompts import (
     UpdateAction,
     build_request,
     parse_answer,
+    pass_chat,
+    repair_chat,
     response_format,
+    response_schema,
 )
 
 F1, F2, F3 = (UUID(int=i) for i in (1, 2, 3))
@@ -132,6 +135,14 @@ def test_ids_never_appear_in_user_content(
     ]
 
 
+def test_the_system_prompt_has_nothing_a_model_could_copy_as_its_answer() -> None:
+    # A real model copied the old example answer ("text": "...", refs f1 and o1) 144 times
+    # out of 144: the format is described in words, with no JSON, ref or filler to copy.
+    assert "{" not in SYSTEM_PROMPT and "[" not in SYSTEM_PROMPT
+    assert "..." not in SYSTEM_PROMPT and "…" not in SYSTEM_PROMPT
+    assert re.search(r"\b[fo]\d+\b", SYSTEM_PROMPT) is None
+
+
 def test_system_prompt_is_a_constant_naming_the_contract() -> None:
     assert isinstance(SYSTEM_PROMPT, str)
     assert SYSTEM_PROMPT is prompts.SYSTEM_PROMPT
@@ -142,37 +153,162 @@ def test_system_prompt_is_a_constant_naming_the_contract() -> None:
     assert prompts.SYSTEM_PROMPT == SYSTEM_PROMPT
 
 
-# -- response format ---------------------------------------------------------------------------
+# -- response format and schema -----------------------------------------------------------------
+
+# The keywords OpenAI strict structured outputs, vLLM and llama.cpp's grammar compiler all accept.
+_PORTABLE_KEYWORDS = {
+    "type",
+    "properties",
+    "required",
+    "additionalProperties",
+    "items",
+    "enum",
+    "description",
+}
 
 
-def test_response_format_json_schema() -> None:
-    assert response_format("json_schema") == {
-        "type": "json_schema",
-        "json_schema": {"name": "consolidation_actions", "schema": RESPONSE_SCHEMA},
-    }
+def _keywords(schema: object) -> set[str]:
+    found: set[str] = set()
+    if isinstance(schema, dict):
+        for key, value in schema.items():
+            found.add(key)
+            if key == "properties":
+                for sub in value.values():
+                    found |= _keywords(sub)
+            elif key == "items":
+                found |= _keywords(value)
+    return found
 
 
-def test_response_format_json_object() -> None:
-    assert response_format("json_object") == {"type": "json_object"}
+def test_the_schema_pins_the_refs_of_the_pass() -> None:
+    schema = response_schema(_request(n_facts=2, n_observations=3))
+    creates = schema["properties"]["creates"]["items"]["properties"]
+    updates = schema["properties"]["updates"]["items"]["properties"]
+    merges = schema["properties"]["merges"]["items"]["properties"]
+    for action in (creates, updates, merges):
+        assert action["facts"]["items"]["enum"] == ["f1", "f2"]
+    assert updates["observation"]["enum"] == ["o1", "o2", "o3"]
+    assert merges["observations"]["items"]["enum"] == ["o1", "o2", "o3"]
 
 
-def test_response_format_rejects_unknown_modes() -> None:
-    with pytest.raises(ValueError):
-        response_format("text")
+def test_without_observations_the_schema_allows_only_creates_and_has_no_empty_enum() -> None:
+    schema = response_schema(_request(n_facts=1, n_observations=0))
+    assert list(schema["properties"]) == ["creates"]
+    assert schema["required"] == ["creates"]
+    assert '"enum": []' not in json.dumps(schema)
 
 
-def test_response_schema_forbids_extra_keys_everywhere() -> None:
-    assert RESPONSE_SCHEMA["additionalProperties"] is False
-    assert set(RESPONSE_SCHEMA["properties"]) == {"creates", "updates", "merges"}
-    for section in RESPONSE_SCHEMA["properties"].values():
+@pytest.mark.parametrize(("facts", "observations"), [(1, 0), (3, 2), (8, 20)])
+def test_the_schema_uses_only_portable_keywords_and_is_strict_everywhere(
+    facts: int, observations: int
+) -> None:
+    schema = response_schema(_request(facts, observations))
+    assert _keywords(schema) <= _PORTABLE_KEYWORDS
+    assert schema["additionalProperties"] is False
+    assert set(schema["required"]) == set(schema["properties"])
+    for section in schema["properties"].values():
         item = section["items"]
         assert item["additionalProperties"] is False
         assert set(item["required"]) == set(item["properties"])
 
 
-def test_response_format_cannot_be_used_to_mutate_the_schema() -> None:
-    response_format("json_schema")["json_schema"]["schema"]["properties"].clear()
-    assert set(RESPONSE_SCHEMA["properties"]) == {"creates", "updates", "merges"}
+def test_response_format_forms() -> None:
+    schema = response_schema(_request())
+    assert response_format("json_schema", schema) == {
+        "type": "json_schema",
+        "json_schema": {"name": "consolidation_actions", "strict": True, "schema": schema},
+    }
+    assert response_format("json_object+schema", schema) == {
+        "type": "json_object",
+        "schema": schema,
+    }
+    assert response_format("json_object", schema) == {"type": "json_object"}
+    assert prompts.RESPONSE_FORMATS == ("json_schema", "json_object+schema", "json_object")
+
+
+def test_response_format_rejects_unknown_forms() -> None:
+    with pytest.raises(ValueError):
+        response_format("text", {})
+
+
+# -- chats and repairs ---------------------------------------------------------------------------
+
+
+def test_a_pass_chat_is_the_system_prompt_the_design_object_and_a_bounded_answer() -> None:
+    request = _request(n_facts=3)
+    chat = pass_chat(request)
+    assert chat.messages() == [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": request.user_content},
+    ]
+    assert chat.max_tokens == prompts.MAX_TOKENS_BASE + 3 * prompts.MAX_TOKENS_PER_FACT
+    assert not chat.repair
+    assert chat.schema == response_schema(request)
+
+
+def test_system_role_user_puts_the_instructions_first_and_the_design_object_last() -> None:
+    request = _request()
+    (message,) = pass_chat(request).messages("user")
+    assert message["role"] == "user"
+    assert message["content"].startswith(SYSTEM_PROMPT)
+    assert message["content"].endswith("\n" + request.user_content)
+    assert prompts.find_request_object(message["content"]) == json.loads(request.user_content)
+
+
+def test_the_design_object_is_found_alone_or_after_instructions_only() -> None:
+    obj = {"bank": "b", "facts": []}
+    text = json.dumps(obj)
+    assert prompts.find_request_object(text) == obj
+    assert prompts.find_request_object(f"Do this.\nAnd that.\n\n{text}\n") == obj
+    assert prompts.find_request_object(f"{text}\nDo this.") is None
+    assert prompts.find_request_object("no object here") is None
+    assert prompts.find_request_object("[1, 2]") is None
+
+
+def test_a_repair_sends_the_answer_back_with_its_problems() -> None:
+    chat = pass_chat(_request())
+    answer = '{"creates": [{"text": "...", "facts": ["f1"]}]}'
+    with pytest.raises(InvalidLLMOutput) as raised:
+        parse_answer(answer, _request())
+    repaired = repair_chat(chat, raised.value)
+    assert repaired.repair and repaired.max_tokens == chat.max_tokens
+    system, user, assistant, note = repaired.messages()
+    assert (system, user) == tuple(chat.messages())
+    assert assistant == {"role": "assistant", "content": answer}
+    assert note["role"] == "user"
+    assert "creates[0].text '...' is a placeholder" in note["content"]
+    assert "corrected JSON object" in note["content"]
+    # A second repair replaces the first rather than growing the conversation.
+    assert len(repair_chat(repaired, raised.value).messages()) == 4
+
+
+def test_a_repair_of_a_cut_answer_asks_for_twice_the_tokens() -> None:
+    chat = pass_chat(_request())
+    cut = InvalidLLMOutput("cut", answer='{"creates": [', problems=["cut off"], truncated=True)
+    assert repair_chat(chat, cut).max_tokens == 2 * chat.max_tokens
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        InvalidLLMOutput("LLM answer has empty content"),
+        InvalidLLMOutput("rejected with 400", answer="  "),
+    ],
+)
+def test_without_an_answer_to_show_the_retry_is_the_same_request(error: InvalidLLMOutput) -> None:
+    chat = pass_chat(_request())
+    assert repair_chat(chat, error) is chat
+
+
+def test_a_huge_unusable_answer_is_echoed_only_in_part() -> None:
+    chat = pass_chat(_request())
+    huge = "x" * (prompts.MAX_REPAIR_ECHO_CHARS + 5000)
+    with pytest.raises(InvalidLLMOutput) as raised:
+        parse_answer(huge, _request())
+    repaired = repair_chat(chat, raised.value)
+    echoed = repaired.turns[0][1]
+    assert len(echoed) < prompts.MAX_REPAIR_ECHO_CHARS + 100
+    assert echoed.endswith("[5000 more characters]")
 
 
 # -- parse_answer: valid ------------------------------------------------------------------------
@@ -322,7 +458,21 @@ _LONG = "x" * (MAX_OBSERVATION_CHARS + 1)
         ),
         (
             {"merges": [{"observations": ["o1", "o1"], "text": "y", "facts": []}]},
-            "'o1' is already used by merges\\[0\\].observations\\[0\\]",
+            "merges\\[0\\].observations lists 'o1' twice",
+        ),
+        (
+            {"merges": [{"observations": ["o1", "o2", "o1"], "text": "y", "facts": []}]},
+            "merges\\[0\\].observations lists 'o1' twice",
+        ),
+        ({"creates": [{"text": "...", "facts": ["f1"]}]}, "'...' is a placeholder"),
+        ({"creates": [{"text": "…", "facts": ["f1"]}]}, "'…' is a placeholder"),
+        ({"creates": [{"text": "text", "facts": ["f1"]}]}, "'text' is a placeholder"),
+        ({"creates": [{"text": "<Observation text>", "facts": []}]}, "is a placeholder"),
+        ({"creates": [{"text": " — !? ", "facts": ["f1"]}]}, "'— !\\?' is a placeholder"),
+        ({"creates": [{"text": "f1", "facts": ["f1"]}]}, "'f1' is a placeholder"),
+        (
+            {"updates": [{"observation": "o1", "text": "TODO", "facts": []}]},
+            "updates\\[0\\].text 'TODO' is a placeholder",
         ),
         (
             {"merges": [{"observations": ["o1"], "text": "y", "facts": []}]},
@@ -339,6 +489,33 @@ _LONG = "x" * (MAX_OBSERVATION_CHARS + 1)
 def test_invalid_answers_are_rejected_with_the_reason(answer: object, reason: str) -> None:
     with pytest.raises(InvalidLLMOutput, match=reason):
         _parse(answer)
+
+
+@pytest.mark.parametrize("text", ["42", "🙂", "x", "Text messages annoy Alice.", "N/A means none"])
+def test_short_texts_that_still_say_something_are_accepted(text: str) -> None:
+    assert _parse({"creates": [{"text": text, "facts": ["f1"]}]}).creates[0].text == text
+
+
+def test_a_placeholder_looking_text_that_repeats_the_input_is_accepted() -> None:
+    facts = [FactInput(F1, "...", ("t",), None), FactInput(F2, "TODO", ("t",), None)]
+    request = build_request("bank", ("t",), None, facts, [])
+    plan = _parse(
+        {"creates": [{"text": "...", "facts": ["f1"]}, {"text": "TODO", "facts": ["f2"]}]}, request
+    )
+    assert [c.text for c in plan.creates] == ["...", "TODO"]
+
+
+def test_an_invalid_answer_carries_the_answer_and_its_problems() -> None:
+    content = json.dumps({"creates": [{"text": "...", "facts": ["f9"]}]})
+    with pytest.raises(InvalidLLMOutput) as raised:
+        parse_answer(content, _request())
+    assert raised.value.answer == content
+    assert len(raised.value.problems) == 2
+    assert not raised.value.truncated
+    with pytest.raises(InvalidLLMOutput) as raised:
+        parse_answer("not json", _request())
+    assert raised.value.answer == "not json"
+    assert raised.value.problems and "not valid JSON" in raised.value.problems[0]
 
 
 def test_every_problem_is_named_in_one_error() -> None:

@@ -27,6 +27,7 @@ from consolidation.prompts import (
     ObservationInput,
     PassRequest,
     build_request,
+    is_placeholder,
     parse_answer,
 )
 from consolidation.scopes import (
@@ -164,7 +165,10 @@ def _request(n_facts: int, n_observations: int) -> PassRequest:
     return build_request("bank", ("t",), None, facts, observations)
 
 
-_text = st.text(min_size=1, max_size=40).filter(lambda t: t.strip() != "")
+# Texts that say something: not blank, and not a placeholder (those are a violation below).
+_text = st.text(min_size=1, max_size=40).filter(
+    lambda t: t.strip() != "" and not is_placeholder(t.strip())
+)
 
 
 @st.composite
@@ -221,6 +225,8 @@ _VIOLATIONS = [
     "unknown_observation_ref",
     "observation_used_twice",
     "merge_of_one",
+    "merge_listing_one_observation_twice",
+    "placeholder_text",
     "blank_text",
     "text_too_long",
     "text_not_string",
@@ -257,6 +263,16 @@ def _break(answer: dict[str, Any], request: PassRequest, violation: str, data: A
         used = {u["observation"] for u in updates} | {r for m in merges for r in m["observations"]}
         free = [r for r in obs if r not in used]
         merges.append({"observations": free[:1], "text": "x", "facts": []})
+    elif violation == "merge_listing_one_observation_twice":
+        used = {u["observation"] for u in updates} | {r for m in merges for r in m["observations"]}
+        free = [r for r in obs if r not in used]
+        assume(len(free) >= 2)
+        twice = [free[0], free[1], data.draw(st.sampled_from(free[:2]))]
+        merges.append({"observations": twice, "text": "Merged.", "facts": []})
+    elif violation == "placeholder_text":
+        assume(actions)
+        placeholder = data.draw(st.sampled_from(["...", "…", "text", "Text.", "<text>", "f1", "-"]))
+        data.draw(st.sampled_from(actions))["text"] = placeholder
     elif violation in ("blank_text", "text_too_long", "text_not_string"):
         assume(actions)
         target = data.draw(st.sampled_from(actions))

@@ -15,6 +15,8 @@ def test_defaults_need_no_configuration(monkeypatch: pytest.MonkeyPatch) -> None
     assert settings.database_url is None and settings.llm_base_url is None
     assert settings.wave_size == 200 and settings.llm_batch_size == 8
     assert settings.group_parallelism == 8 and settings.llm_max_concurrent == 16
+    assert settings.llm_response_format == "auto" and settings.llm_system_role == "system"
+    assert settings.llm_max_tokens == 4096 and settings.llm_retry_budget_s is None
 
 
 def test_environment_overrides_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -36,6 +38,10 @@ def test_environment_overrides_defaults(monkeypatch: pytest.MonkeyPatch) -> None
         ("CONSOLIDATION_LOG_FORMAT", "xml"),
         ("CONSOLIDATION_LEASE_S", "-1"),
         ("CONSOLIDATION_EVENT_LOOP", "trio"),
+        ("CONSOLIDATION_LLM_RESPONSE_FORMAT", "text"),
+        ("CONSOLIDATION_LLM_SYSTEM_ROLE", "assistant"),
+        ("CONSOLIDATION_LLM_MAX_TOKENS", "0"),
+        ("CONSOLIDATION_LLM_RETRY_BUDGET_S", "0"),
     ],
 )
 def test_a_bad_value_raises_a_one_line_error_naming_the_variable(
@@ -46,3 +52,15 @@ def test_a_bad_value_raises_a_one_line_error_naming_the_variable(
         load_settings()
     message = str(excinfo.value)
     assert name in message and "\n" not in message
+
+
+def test_a_retry_budget_shorter_than_the_timeout_names_both_variables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("CONSOLIDATION_LLM_TIMEOUT_S", "30")
+    monkeypatch.setenv("CONSOLIDATION_LLM_RETRY_BUDGET_S", "20")
+    with pytest.raises(ConfigError) as excinfo:
+        load_settings()
+    message = str(excinfo.value)
+    assert "CONSOLIDATION_LLM_RETRY_BUDGET_S (20)" in message
+    assert "CONSOLIDATION_LLM_TIMEOUT_S (30)" in message and "\n" not in message
