@@ -94,7 +94,7 @@ class PassRequest:
     user_content: str
     fact_refs: Mapping[str, UUID]
     observation_refs: Mapping[str, UUID]
-    # The texts the model was shown, whitespace collapsed: repeating one is never a placeholder.
+    # The texts the model was shown, whitespace collapsed: repeating them is never a placeholder.
     input_texts: frozenset[str] = frozenset()
 
 
@@ -442,11 +442,18 @@ class _AnswerChecker:
             self.problems.append(
                 f"{where}.text has {len(text)} characters, more than {MAX_OBSERVATION_CHARS}"
             )
-        elif is_placeholder(text) and _collapsed(text) not in self.request.input_texts:
+        elif is_placeholder(text) and not self._from_input(text):
             self.problems.append(
                 f"{where}.text {text!r} is a placeholder, not an observation; write the full text"
             )
         return text
+
+    def _from_input(self, text: str) -> bool:
+        """Whether every word of ``text`` stands in a text the model was shown: a fact or an
+        observation that says little is not a placeholder when repeated, or combined."""
+        return all(
+            any(word in shown for shown in self.request.input_texts) for word in text.split()
+        )
 
     def facts(self, where: str, value: object) -> tuple[UUID, ...]:
         if not isinstance(value, list):
