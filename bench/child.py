@@ -54,6 +54,10 @@ class RunSpec:
     loop: str = "auto"  # CONSOLIDATION_EVENT_LOOP: auto (as the service), uvloop or asyncio
     # Time every event-loop callback and report the slowest (diagnoses lag; costs ~1 µs each).
     trace_callbacks: bool = False
+    # Write the run's database work to this file (bench/dbonly.py), or replay such a file
+    # instead of running the engine.
+    record_to: str | None = None
+    replay_from: str | None = None
 
 
 def _statement_names() -> dict[str, str]:
@@ -298,6 +302,12 @@ async def run(spec: RunSpec) -> dict[str, Any]:
         return wave
 
     store.fetch_wave = planned_fetch_wave  # type: ignore[assignment]
+    recorder = None
+    if spec.record_to:
+        from bench.dbonly import Recorder
+
+        recorder = Recorder()
+        recorder.install()
     profiler = None
     try:
         lease = await queue.start_foreground(pool, spec.bank, "bench-worker", 60.0)
@@ -325,6 +335,9 @@ async def run(spec: RunSpec) -> dict[str, Any]:
         backend_cpu = await backends.stop()
         digest = await _result_digest(pool, spec.bank)
     finally:
+        if recorder is not None:
+            recorder.uninstall()
+            await asyncio.to_thread(Path(str(spec.record_to)).write_bytes, recorder.dump())
         store.fetch_wave = fetch_wave  # type: ignore[assignment]
         await llm.aclose()
         await pool.close()
@@ -364,10 +377,19 @@ async def run(spec: RunSpec) -> dict[str, Any]:
     }
 
 
+async def replay(spec: RunSpec) -> dict[str, Any]:
+    from bench.dbonly import replay as replay_recording
+
+    settings = load_settings(**spec.settings)
+    assert spec.replay_from is not None
+    recording = await asyncio.to_thread(Path(spec.replay_from).read_bytes)
+    return await replay_recording(spec.database_url, recording, settings.group_parallelism)
+
+
 def main() -> None:
     spec = RunSpec(**orjson.loads(sys.stdin.buffer.read()))
     configure_logging("json", spec.log_level)
-    result = runtime.run(run(spec), spec.loop)
+    result = runtime.run(replay(spec) if spec.replay_from else run(spec), spec.loop)
     # A file rather than stdout: a profiler wrapping this process may print on stdout.
     Path(sys.argv[1]).write_bytes(orjson.dumps(result))
 

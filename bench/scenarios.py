@@ -116,7 +116,13 @@ class Bench:
         )
 
     async def run(
-        self, scenario: Scenario, fake: FakeLLM, *, repeat: int, profile: str | None = None
+        self,
+        scenario: Scenario,
+        fake: FakeLLM,
+        *,
+        repeat: int,
+        profile: str | None = None,
+        record_to: Path | None = None,
     ) -> dict[str, Any]:
         """One engine run on a fresh clone of the scenario's bank; returns its record."""
         template = await self.template(scenario.shape)
@@ -138,6 +144,7 @@ class Bench:
                 profile_out=str(self.results_dir / f"profile-{scenario.label}-{profile}")
                 if profile
                 else None,
+                record_to=None if record_to is None else str(record_to),
             )
             # The same lag monitor in this (idle) process: the machine's own scheduling delay,
             # to tell the engine's blocking apart from a busy machine's.
@@ -357,10 +364,39 @@ async def lag(
     }
 
 
+async def replay_database_work(
+    bench: Bench, scenario: Scenario, recording: Path, repeat: int
+) -> dict[str, Any]:
+    """The recorded database work of ``scenario``'s bank alone, on a fresh clone
+    (bench/dbonly.py): no engine, no LLM, no HTTP."""
+    template = await bench.template(scenario.shape)
+    url = await bench.dbs.clone(template)
+    try:
+        spec = RunSpec(
+            database_url=url,
+            bank=BANK,
+            llm_url="",
+            latency_ms=0,
+            settings=scenario.settings,
+            loop=scenario.loop,
+            replay_from=str(recording),
+        )
+        name = f"{scenario.label}-dbonly-{repeat}"
+        result = await run_child(spec, bench.results_dir / "logs" / f"{name}.log")
+    finally:
+        await bench.dbs.drop(url)
+    bench.log(
+        f"    {scenario.label} database work alone: {result['wall_s']:.2f}s, "
+        f"{result['memories_per_s']:.0f} mem/s"
+    )
+    return result
+
+
 async def throughput(
     bench: Bench, sizes: Sizes, loop: str = "asyncio", bank: BankOptions = DEFAULT_BANK
 ) -> dict[str, Any]:
-    """A zero-latency LLM: what the engine itself costs."""
+    """A zero-latency LLM: what the engine itself costs, and the database work alone beside it
+    (the engine's runs and the replays of its database work interleaved)."""
     shape = bank.shape(sizes.throughput_memories)
     scenario = Scenario(
         "throughput-0ms", shape, latency_ms=0, loop=loop, settings={"wave_size": bank.wave_size}
@@ -369,14 +405,22 @@ async def throughput(
         f"throughput: {shape.memories} memories, {shape.groups} groups, zero-latency LLM, P8, "
         f"batch 8, wave {bank.wave_size}"
     )
+    recording = bench.results_dir / "logs" / f"{scenario.label}-database-work.json"
+    runs, replays = [], []
     with bench.fake(scenario) as fake:
-        runs = [
-            await bench.run(scenario, fake, repeat=i + 1) for i in range(sizes.throughput_repeats)
-        ]
+        await bench.run(scenario, fake, repeat=0, record_to=recording)
+        for i in range(sizes.throughput_repeats):
+            runs.append(await bench.run(scenario, fake, repeat=i + 1))
+            replays.append(await replay_database_work(bench, scenario, recording, i + 1))
     first = runs[0]
+    summary = _summary_of(runs)
+    database_only = _median([r["memories_per_s"] for r in replays])
     return {
         "shape": shape.to_json(),
-        **_summary_of(runs),
+        **summary,
+        "database_only_memories_per_s": database_only,
+        "database_only_all": [round(r["memories_per_s"], 1) for r in replays],
+        "fraction_of_database_only": summary["memories_per_s"] / database_only,
         "llm_calls": first["llm_calls"],
         "memories_per_llm_call": first["memories"] / max(1, first["llm_calls"]),
         "statements_per_llm_call": first["statements_per_llm_call"],

@@ -65,8 +65,9 @@ def database_url(settings: Settings) -> str:
         ) from exc
 
 
-def _json_default(value: object) -> str:
-    # asyncpg returns its own UUID subclass, which orjson does not recognise.
+def dumps_default(value: object) -> str:
+    """orjson's ``default`` for what the database returns: asyncpg's own UUID subclass, which
+    orjson does not recognise."""
     if isinstance(value, uuid.UUID):
         return str(value)
     raise TypeError(f"{type(value).__name__} is not JSON serializable")
@@ -74,7 +75,7 @@ def _json_default(value: object) -> str:
 
 def dumps(value: object) -> str:
     """JSON text for a json/jsonb parameter."""
-    return orjson.dumps(value, default=_json_default).decode()
+    return orjson.dumps(value, default=dumps_default).decode()
 
 
 async def _init_connection(conn: asyncpg.Connection) -> None:
