@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.util
+import socket
+import time
 import uuid
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -93,11 +97,121 @@ async def _keep_session(conn: asyncpg.Connection) -> None:
     is skipped. asyncpg still rolls back a transaction left open before calling this."""
 
 
-async def connect(url: str) -> asyncpg.Connection:
+# Pool connections idle this long are closed (down to the pool's floor, ``min_size``), so a
+# burst's connections go back to the server within seconds instead of asyncpg's five minutes.
+POOL_IDLE_S = 10.0
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """How long this process waits on its database, derived from the lease (docs/reliability.md,
+    "Hardening from outside fault testing").
+
+    ``statement_s`` bounds, on the client, opening a connection, each statement and the cancel
+    request asyncpg sends for a statement that overran it. The server ends a session idle
+    inside a transaction after ``statement_s`` and a statement after twice that (the client
+    gives up first; the server's bound is for when the client's cancel cannot reach it). TCP
+    keepalives on both ends notice a peer that vanished within about a lease.
+    """
+
+    statement_s: float
+    keepalive_idle_s: int
+    keepalive_interval_s: int
+    keepalive_count: int = 3
+
+    @classmethod
+    def for_lease(cls, lease_s: float) -> Timeouts:
+        return cls(
+            statement_s=lease_s,
+            keepalive_idle_s=max(1, round(lease_s / 3)),
+            keepalive_interval_s=max(1, round(lease_s / 9)),
+        )
+
+    @property
+    def user_timeout_ms(self) -> int:
+        """Data left unacknowledged this long ends the connection (TCP_USER_TIMEOUT)."""
+        return max(1, round(self.statement_s * 1000))
+
+    def server_settings(self) -> dict[str, str]:
+        statement_ms = max(1, round(self.statement_s * 1000))
+        return {
+            "statement_timeout": str(2 * statement_ms),
+            "idle_in_transaction_session_timeout": str(statement_ms),
+            "tcp_keepalives_idle": str(self.keepalive_idle_s),
+            "tcp_keepalives_interval": str(self.keepalive_interval_s),
+            "tcp_keepalives_count": str(self.keepalive_count),
+            "tcp_user_timeout": str(self.user_timeout_ms),
+        }
+
+    def configure_socket(self, sock: Any) -> None:
+        """The same keepalives on our end of a TCP connection (a Unix socket needs none)."""
+        if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+            return
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (
+            ("TCP_KEEPIDLE", self.keepalive_idle_s),
+            ("TCP_KEEPINTVL", self.keepalive_interval_s),
+            ("TCP_KEEPCNT", self.keepalive_count),
+            ("TCP_USER_TIMEOUT", self.user_timeout_ms),
+        ):
+            option = getattr(socket, name, None)  # Linux has all four, other systems fewer
+            if option is not None:
+                sock.setsockopt(socket.IPPROTO_TCP, option, value)
+
+
+@functools.cache
+def _connection_class(timeouts: Timeouts) -> type[asyncpg.Connection]:
+    """asyncpg's connection with ``timeouts``' keepalives on its socket (asyncpg has no option
+    for them; ``connection_class`` is its extension point)."""
+
+    class KeepaliveConnection(asyncpg.Connection):  # type: ignore[misc]
+        def __init__(self, protocol: Any, transport: Any, *args: Any, **kwargs: Any) -> None:
+            super().__init__(protocol, transport, *args, **kwargs)
+            timeouts.configure_socket(transport.get_extra_info("socket"))
+
+    return KeepaliveConnection
+
+
+def _bounded(timeouts: Timeouts | None, server_settings: dict[str, str]) -> dict[str, Any]:
+    """asyncpg keyword arguments that apply ``timeouts`` (None: asyncpg's defaults)."""
+    if timeouts is None:
+        return {"server_settings": server_settings}
+    return {
+        "server_settings": {**timeouts.server_settings(), **server_settings},
+        "timeout": timeouts.statement_s,
+        "command_timeout": timeouts.statement_s,
+        "connection_class": _connection_class(timeouts),
+    }
+
+
+class LastContact:
+    """When the database last answered this process (monotonic clock); starts as "now"."""
+
+    def __init__(self) -> None:
+        self._at = time.monotonic()
+
+    def heard(self) -> None:
+        self._at = time.monotonic()
+
+    def silent_for(self) -> float:
+        """Seconds since the database last answered."""
+        return time.monotonic() - self._at
+
+
+async def connect(url: str, *, timeouts: Timeouts | None = None) -> asyncpg.Connection:
     """One connection with the project's JSON codecs (for LISTEN and one-off commands)."""
-    conn: asyncpg.Connection = await asyncpg.connect(url)
+    conn: asyncpg.Connection = await asyncpg.connect(url, **_bounded(timeouts, {}))
     await _init_connection(conn)
     return conn
+
+
+# Postgres keeps at most 63 bytes of application_name and rewrites what is not printable ASCII.
+APPLICATION_NAME_MAX = 63
+
+
+def is_application_name(name: str) -> bool:
+    """Whether Postgres keeps ``name`` exactly as an ``application_name``."""
+    return len(name) <= APPLICATION_NAME_MAX and all(" " <= c <= "~" for c in name)
 
 
 async def create_pool(
@@ -106,30 +220,32 @@ async def create_pool(
     min_size: int = 1,
     max_size: int = 10,
     application_name: str | None = None,
-    idle_in_transaction_timeout_s: float | None = None,
+    timeouts: Timeouts | None = None,
+    idle_s: float = POOL_IDLE_S,
 ) -> asyncpg.Pool:
     """An asyncpg pool with orjson codecs for json/jsonb.
 
     ``application_name`` names the sessions after the worker, so a worker that stalls past its
-    lease can be fenced by ending its sessions (queue.terminate_stalled_workers).
-    ``idle_in_transaction_timeout_s`` makes the server end a session left inside a transaction
-    by a stalled client, releasing its locks.
+    lease can be fenced by ending its sessions (queue.terminate_stalled_workers); it must reach
+    the server unchanged (:func:`is_application_name`), else ValueError. ``timeouts`` bounds
+    every connect and statement. Connections idle for ``idle_s`` are closed down to
+    ``min_size``.
     """
     server_settings = {}
     if application_name:
-        server_settings["application_name"] = application_name[:63]
-    if idle_in_transaction_timeout_s is not None:
-        ms = str(max(1, int(idle_in_transaction_timeout_s * 1000)))
-        server_settings["idle_in_transaction_session_timeout"] = ms
+        if not is_application_name(application_name):
+            raise ValueError(f"Postgres would not keep {application_name!r} as application_name")
+        server_settings["application_name"] = application_name
     pool: asyncpg.Pool = await asyncpg.create_pool(
         url,
         min_size=min_size,
         max_size=max_size,
-        server_settings=server_settings,
+        max_inactive_connection_lifetime=idle_s,
         init=_init_connection,
         reset=_keep_session,
         # Statements are few and named; the cache avoids re-planning on the hot path.
         statement_cache_size=256,
+        **_bounded(timeouts, server_settings),
     )
     return pool
 
