@@ -131,7 +131,17 @@ async def open_runtime(
         pool = await db.create_pool(
             url, min_size=1, max_size=size, application_name=worker_id, timeouts=timeouts
         )
-        stack.push_async_callback(pool.close)
+        stack.push_async_callback(_close_pool, pool)
         llm = build_consolidator(settings)
         stack.push_async_callback(llm.aclose)
         yield Runtime(settings, url, pool, llm, worker_id, timeouts)
+
+
+async def _close_pool(pool: asyncpg.Pool) -> None:
+    """Close the pool; a database that does not answer (each close is bounded by the lease)
+    gets its connections dropped instead, which must not turn a clean shutdown into a crash."""
+    try:
+        await pool.close()
+    except Exception as exc:
+        log.warning("database_pool_close_failed", error=repr(exc))
+        pool.terminate()

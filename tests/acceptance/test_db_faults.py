@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import contextlib
+import signal
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 
 import asyncpg
 import httpx
+import orjson
 import pytest
 
 from consolidation import db, queue
@@ -318,3 +320,39 @@ async def test_a_worker_cut_off_by_a_silent_partition_frees_its_slot_and_fails_h
     assert census.consolidated == 32 and census.failed == 0
     assert census.outcomes == 32 and census.sources == 32
     assert census.observations == 4  # one per topic: no duplicate
+
+
+async def test_every_line_a_serve_process_writes_during_a_database_outage_is_one_json_object(
+    database_url: str,
+    fake: FakeLLMServer,
+    services: list[ServiceProcess],
+    tmp_path: Path,
+) -> None:
+    """asyncpg logs through the standard library, with a traceback, when its pool cannot restore
+    its floor connection; that record too must be one JSON line, traceback included."""
+    async with TcpProxy.in_front_of(database_url) as proxy:
+        service = ServiceProcess(
+            "service", tmp_path, service_env(proxy.url_for(database_url), fake.url)
+        )
+        services.append(service)
+        base_url = await service.api_url()
+        await service.wait_event("worker_started")
+        proxy.sever()
+        record = await service.wait_event("Failed to restore the pool connection floor; retrying")
+        assert record["logger"] == "asyncpg.pool" and record["level"] == "warning"
+        assert record["exception"][0]["frames"], "the traceback is part of the JSON record"
+        proxy.restore()
+        async with httpx.AsyncClient(base_url=base_url, timeout=30) as http:
+
+            async def ready() -> bool:
+                return (await http.get("/readyz")).status_code == 200
+
+            await wait_for(ready, what="readiness to recover")
+        service.signal(signal.SIGTERM)
+        # Not service.wait_exit(): the proxy lives in this event loop, which must keep running.
+        await wait_for(lambda: service.proc.poll() is not None, what="the service to exit")
+        assert service.proc.returncode == 0
+    lines = service.log_path.read_bytes().splitlines()
+    assert lines
+    for line in lines:
+        assert isinstance(orjson.loads(line), dict), line
