@@ -44,7 +44,7 @@ class CLIError(ConsolidationError):
 
 
 def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
-    url = db.database_url(settings)
+    url = runtime.run(db.reach_database(settings), settings.event_loop)
     before = db.current_revision(url)
     db.migrate_sync(url)
     after = db.current_revision(url)

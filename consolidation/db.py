@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import importlib.util
 import socket
 import time
 import uuid
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import asyncpg
 import orjson
@@ -250,6 +253,108 @@ async def create_pool(
     return pool
 
 
+# --- reaching the database at start-up -------------------------------------------------------
+
+# One connection attempt at start-up waits at most this long for the server to answer.
+CONNECT_ATTEMPT_S = 10.0
+# Pause between two attempts while the server refuses or does not answer.
+CONNECT_RETRY_S = 1.0
+
+# Server answers that say "not now" rather than "never": starting up or shutting down (57P03),
+# too many connections (53300).
+_TRANSIENT_SQLSTATES = frozenset({"57P03", "53300"})
+
+
+def redact_url(url: str) -> str:
+    """``url`` without its password (in the user part or as a query parameter)."""
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if parts.password is not None:
+        user, _, host = netloc.rpartition("@")
+        netloc = f"{user.partition(':')[0]}:***@{host}"
+    query = [(k, "***" if k == "password" else v) for k, v in parse_qsl(parts.query)]
+    return urlunsplit(parts._replace(netloc=netloc, query=urlencode(query, safe="/*")))
+
+
+def _connect_failure(exc: BaseException, url: str) -> tuple[str, bool]:
+    """What went wrong, in a few words, and whether waiting could fix it."""
+    if isinstance(exc, socket.gaierror):
+        host = urlsplit(url).hostname or "?"
+        if exc.errno == socket.EAI_AGAIN:
+            return f"host name {host!r} could not be resolved now ({exc.strerror})", True
+        return f"host name {host!r} not found ({exc.strerror})", False
+    if isinstance(exc, TimeoutError):
+        return f"no answer within {CONNECT_ATTEMPT_S:g} s", True
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused", True
+    if isinstance(exc, FileNotFoundError):
+        return f"no server socket at {exc.filename or 'the given path'}", True
+    if isinstance(exc, OSError):
+        return exc.strerror or type(exc).__name__, True
+    if isinstance(exc, asyncpg.PostgresError):
+        transient = exc.sqlstate in _TRANSIENT_SQLSTATES
+        return f"the server says: {exc}", transient
+    first_line = (str(exc) or type(exc).__name__).splitlines()[0]
+    if isinstance(exc, ValueError | asyncpg.ClientConfigurationError):
+        return f"not a usable URL ({first_line})", False
+    return first_line, False
+
+
+def _unusable(url: str, cause: str) -> ConfigError:
+    return ConfigError(
+        f"cannot use the database at CONSOLIDATION_DATABASE_URL={redact_url(url)}: {cause}"
+    )
+
+
+@contextlib.contextmanager
+def _one_line_connection_errors(url: str) -> Iterator[None]:
+    """SQLAlchemy's connection failures (migrations) as the same one-line ConfigError."""
+    from sqlalchemy.exc import OperationalError
+
+    try:
+        yield
+    except OperationalError as exc:
+        text = str(exc.orig or exc).strip() or type(exc).__name__
+        raise _unusable(url, text.splitlines()[0]) from None
+
+
+async def wait_for_database(url: str, wait_s: float) -> None:
+    """Connect once to ``url``, retrying for up to ``wait_s`` while the server refuses or does
+    not answer. Raises ConfigError (one line, naming CONSOLIDATION_DATABASE_URL, no password)
+    when it is still unreachable, and at once when waiting cannot help (authentication, unknown
+    database or role, unknown host, malformed URL)."""
+    deadline = time.monotonic() + wait_s
+    warned = False
+    while True:
+        try:
+            conn = await asyncpg.connect(url, timeout=CONNECT_ATTEMPT_S)
+        except Exception as exc:
+            cause, transient = _connect_failure(exc, url)
+            if transient and time.monotonic() + CONNECT_RETRY_S < deadline:
+                if not warned:
+                    warned = True
+                    log.warning(
+                        "database_unreachable_retrying",
+                        url=redact_url(url),
+                        error=cause,
+                        wait_s=wait_s,
+                    )
+                await asyncio.sleep(CONNECT_RETRY_S)
+                continue
+            retried = f"; retried for {wait_s:g} s (CONSOLIDATION_DATABASE_WAIT_S)"
+            raise _unusable(url, cause + (retried if transient else "")) from None
+        await conn.close()
+        return
+
+
+async def reach_database(settings: Settings) -> str:
+    """The database URL (the embedded server's when none is configured), once it answers."""
+    url = await asyncio.to_thread(database_url, settings)
+    if settings.database_url:
+        await wait_for_database(url, settings.database_wait_s)
+    return url
+
+
 def migrations_dir() -> Path:
     """The Alembic directory (``migrations/`` in the repository, installed as
     ``consolidation.migrations``)."""
@@ -285,7 +390,7 @@ def migrate_sync(url: str, revision: str = "head") -> None:
     cfg = _alembic_config(url)
     engine = create_engine(sqlalchemy_url(url), poolclass=NullPool)
     try:
-        with engine.connect() as conn:
+        with _one_line_connection_errors(url), engine.connect() as conn:
             conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": MIGRATION_LOCK_KEY})
             try:
                 cfg.attributes["connection"] = conn
@@ -306,7 +411,7 @@ def current_revision(url: str) -> str | None:
 
     engine = create_engine(sqlalchemy_url(url), poolclass=NullPool)
     try:
-        with engine.connect() as conn:
+        with _one_line_connection_errors(url), engine.connect() as conn:
             rev: str | None = MigrationContext.configure(conn).get_current_revision()
             return rev
     finally:
@@ -319,7 +424,8 @@ async def migrate(url: str) -> None:
 
 
 async def prepare_database(settings: Settings) -> str:
-    """Resolve the database (embedded when unset) and bring its schema to head; returns the URL."""
-    url = await asyncio.to_thread(database_url, settings)
+    """Resolve the database (embedded when unset), wait for it to answer and bring its schema
+    to head; returns the URL."""
+    url = await reach_database(settings)
     await migrate(url)
     return url

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -20,6 +21,11 @@ class Settings(BaseSettings):
 
     database_url: str | None = Field(
         default=None, description="Postgres URL; unset starts an embedded Postgres under DATA_DIR."
+    )
+    database_wait_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="At start-up, how long to retry a database that refuses or does not answer.",
     )
     data_dir: Path = Field(
         default=Path.home() / ".local" / "share" / "consolidation",
@@ -107,6 +113,10 @@ class Settings(BaseSettings):
     def _postgres_url(cls, value: str | None) -> str | None:
         if value is not None and not value.startswith(("postgres://", "postgresql://")):
             raise ValueError("must be a postgresql:// URL")
+        try:
+            _ = urlsplit(value or "").port
+        except ValueError:
+            raise ValueError("the port must be a number from 0 to 65535") from None
         return value
 
     @field_validator("llm_base_url")
