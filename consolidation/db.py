@@ -6,7 +6,9 @@ import asyncio
 import contextlib
 import functools
 import importlib.util
+import os
 import socket
+import stat
 import time
 import uuid
 import warnings
@@ -40,11 +42,84 @@ DATABASE_DOWN: tuple[type[Exception], ...] = (
 MIGRATION_LOCK_KEY = 0x636F6E73  # "cons"
 
 
+# pgserver runs Postgres as this OS user when started as root (Postgres refuses to run as root).
+EMBEDDED_OS_USER = "pgserver"
+_GROUP_OTHER_RX = stat.S_IRGRP | stat.S_IXGRP | stat.S_IROTH | stat.S_IXOTH
+# Linux's limit on a Unix socket path is 108 bytes, macOS's 104.
+_SOCKET_PATH_MAX = 103
+
+
+@dataclass(frozen=True)
+class RootSideEffects:
+    """What pgserver does to the machine when the embedded Postgres starts as root (read from
+    pgserver 0.1's code): it creates the OS user ``pgserver`` (``useradd -s /bin/bash``) unless
+    it exists, gives it the data directory, and adds g+rx,o+rx to every directory above the
+    data directory, above its own binaries and (for a long path) above its socket directory."""
+
+    pgdata: Path
+    creates_user: bool
+    opened: tuple[Path, ...]
+
+    def describe(self) -> str:
+        """One line for the log, before anything is changed."""
+        if self.creates_user:
+            who = f"creates the OS user {EMBEDDED_OS_USER!r} (login shell /bin/bash) to run as"
+        else:
+            who = f"runs as the existing OS user {EMBEDDED_OS_USER!r}"
+        if self.opened:
+            dirs = ", ".join(map(str, self.opened))
+            opened = f"adds g+rx,o+rx (others may list and enter them) to {dirs}"
+        else:
+            opened = "changes no directory's permissions"
+        return (
+            f"running as root: the embedded Postgres {who}, gives it {self.pgdata}, and "
+            f"{opened}; set CONSOLIDATION_DATABASE_URL or run as another user to avoid this"
+        )
+
+
+def embedded_root_side_effects(
+    pgdata: Path, *, euid: int | None = None, binaries: Path | None = None
+) -> RootSideEffects | None:
+    """The side effects starting the embedded Postgres on ``pgdata`` will have, None when not
+    running as root (then it has none)."""
+    if euid is None:
+        euid = os.geteuid() if hasattr(os, "geteuid") else -1
+    if euid != 0:
+        return None
+    import pwd
+
+    try:
+        pwd.getpwnam(EMBEDDED_OS_USER)
+        creates_user = False
+    except KeyError:
+        creates_user = True
+    if binaries is None:
+        from pgserver._commands import POSTGRES_BIN_PATH
+
+        binaries = Path(POSTGRES_BIN_PATH)
+    targets = [pgdata, binaries]
+    if len(os.fsencode(pgdata / ".s.PGSQL.5432")) > _SOCKET_PATH_MAX:
+        import platformdirs
+
+        targets.append(platformdirs.user_runtime_path("python_PostgresServer") / "socket")
+    opened: dict[Path, None] = {}
+    for target in targets:
+        for parent in target.absolute().parents:
+            try:
+                mode = parent.stat().st_mode
+            except OSError:
+                continue  # not created yet: pgserver creates it with the mode it wants
+            if mode & _GROUP_OTHER_RX != _GROUP_OTHER_RX:
+                opened[parent] = None
+    return RootSideEffects(pgdata, creates_user, tuple(opened))
+
+
 def embedded_database_url(data_dir: Path) -> str:
     """Start (or reuse) the embedded Postgres under ``data_dir`` and return its URL.
 
     Processes sharing one data directory share the server; the last one to exit stops it.
-    The data stays for the next command.
+    The data stays for the next command. As root, what pgserver is about to change on the
+    machine is logged first, in one line (:func:`embedded_root_side_effects`).
     """
     # Imported lazily: it is only needed when no URL is configured. Its platformdirs lookup
     # warns when XDG_RUNTIME_DIR is unset (containers, CI), which says nothing to our users.
@@ -52,10 +127,20 @@ def embedded_database_url(data_dir: Path) -> str:
         warnings.simplefilter("ignore")
         from pgserver.postgres_server import get_server
 
-    data_dir.mkdir(parents=True, exist_ok=True)
-    server = get_server(data_dir / "pgdata", cleanup_mode="stop")
+        data_dir.mkdir(parents=True, exist_ok=True)
+        pgdata = (data_dir / "pgdata").resolve()
+        effects = embedded_root_side_effects(pgdata)
+    if effects is not None:
+        log.warning(
+            "embedded_postgres_as_root",
+            message=effects.describe(),
+            os_user=EMBEDDED_OS_USER,
+            os_user_created=effects.creates_user,
+            directories_opened=[str(p) for p in effects.opened],
+        )
+    server = get_server(pgdata, cleanup_mode="stop")
     url: str = server.get_uri()
-    log.info("embedded_postgres", data_dir=str(data_dir / "pgdata"), url=url)
+    log.info("embedded_postgres", data_dir=str(pgdata), url=url)
     return url
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
@@ -12,6 +13,19 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from consolidation.errors import ConfigError
 
 ENV_PREFIX = "CONSOLIDATION_"
+
+
+def default_data_dir(euid: int | None = None, home: Path | None = None) -> Path:
+    """``~/.local/share/consolidation``; as root ``/var/lib/consolidation``, unless the former
+    already holds a database. The embedded Postgres cannot run as root, and pgserver then opens
+    every directory above its data to other users: under /var/lib that is nothing new, under
+    the home directory it would expose root's home (docs/reliability.md)."""
+    if euid is None:
+        euid = os.geteuid() if hasattr(os, "geteuid") else -1
+    in_home = (Path.home() if home is None else home) / ".local" / "share" / "consolidation"
+    if euid == 0 and not (in_home / "pgdata" / "PG_VERSION").exists():
+        return Path("/var/lib/consolidation")
+    return in_home
 
 
 class Settings(BaseSettings):
@@ -28,7 +42,7 @@ class Settings(BaseSettings):
         description="At start-up, how long to retry a database that refuses or does not answer.",
     )
     data_dir: Path = Field(
-        default=Path.home() / ".local" / "share" / "consolidation",
+        default_factory=lambda: default_data_dir(),
         description="Where the embedded Postgres keeps its files.",
     )
 

@@ -126,3 +126,32 @@ async def test_a_server_that_comes_up_within_the_wait_is_used(
         await service.wait_event("database_unreachable_retrying")
         proxy.restore()
         await service.wait_event("service_started")
+
+
+def test_as_root_the_embedded_postgres_says_what_it_will_change_before_it_does(
+    tmp_path: Path,
+) -> None:
+    locked = tmp_path / "locked"
+    (locked / "data").mkdir(parents=True)
+    locked.chmod(0o700)
+    env = {**os.environ, "CONSOLIDATION_LOG_FORMAT": "json"}
+    env.pop("CONSOLIDATION_DATABASE_URL", None)
+    env["CONSOLIDATION_DATA_DIR"] = str(locked / "data")
+    result = subprocess.run(
+        [sys.executable, "-m", "consolidation.cli", "migrate"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    records = [orjson.loads(line) for line in result.stderr.splitlines()]
+    said = [r for r in records if r["event"] == "embedded_postgres_as_root"]
+    if os.geteuid() != 0:
+        assert said == [] and locked.stat().st_mode & 0o777 == 0o700
+        return
+    assert len(said) == 1 and str(locked) in said[0]["directories_opened"]
+    assert str(locked) in said[0]["message"]
+    started = [r["event"] for r in records].index("embedded_postgres")
+    assert records.index(said[0]) < started, "said before the server was started"
+    assert locked.stat().st_mode & 0o055 == 0o055, "pgserver opened it, as the line said"
