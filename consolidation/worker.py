@@ -86,10 +86,12 @@ class Worker:
             return
         if time.monotonic() < self._listen_retry_at:
             return
-        reconnect = self._listener is not None
-        if reconnect:
+        # Listened before (this connection, or one that dropped before a failed reopen).
+        reconnect = self._listener is not None or self._listen_retry_at > 0
+        if self._listener is not None:
             await _close_quietly(self._listener)
             self._listener = None
+        conn = None
         try:
             conn = await db.connect(self.database_url, timeouts=self.timeouts)
             await conn.add_listener(queue.NOTIFY_SUBMIT, self._on_submit)
@@ -97,6 +99,8 @@ class Worker:
             # A dropped LISTEN session wakes the loop, which reopens it at once.
             conn.add_termination_listener(self._on_submit)
         except Exception as exc:
+            if conn is not None:
+                conn.terminate()
             self._listen_retry_at = time.monotonic() + LISTEN_RETRY_S
             self.log.warning("listen_unavailable", error=repr(exc))
             return
@@ -117,6 +121,7 @@ class Worker:
             await asyncio.sleep(interval)
             conn = self._listener
             if conn is None or conn.is_closed():
+                self._wake.set()  # the loop reopens it, however long its poll interval
                 continue
             try:
                 await conn.fetchval("SELECT 1", timeout=interval)
