@@ -23,7 +23,7 @@ import pytest
 
 from consolidation import db, queue
 from consolidation.fake_llm import FakeLLMServer
-from tests.acceptance.harness import ServiceProcess, worker_env
+from tests.acceptance.harness import ServiceProcess, metric_total, worker_env
 from tests.integration.engine_helpers import ingest, topics, wait_for
 from tests.invariants import assert_consistent
 from tests.tcp_proxy import TcpProxy
@@ -246,14 +246,6 @@ async def restart_postgres_twice_and_recover(
 # --- a path to the database that goes silent (half-open connections) -----------------------------
 
 
-async def operations_running(http: httpx.AsyncClient) -> float:
-    """The worker's ``consolidation_operations_running`` gauge (served without the database)."""
-    for line in (await http.get("/metrics")).text.splitlines():
-        if line.startswith("consolidation_operations_running "):
-            return float(line.split()[1])
-    raise AssertionError("no consolidation_operations_running in /metrics")
-
-
 async def test_a_worker_cut_off_by_a_silent_partition_frees_its_slot_and_fails_healthz_until_it_heals(
     pool: asyncpg.Pool,
     database_url: str,
@@ -272,7 +264,8 @@ async def test_a_worker_cut_off_by_a_silent_partition_frees_its_slot_and_fails_h
             "cut-off", tmp_path, service_env(proxy.url_for(database_url), fake.url)
         )
         services.append(cut_off)
-        async with httpx.AsyncClient(base_url=await cut_off.api_url(), timeout=30) as http:
+        base_url = await cut_off.api_url()
+        async with httpx.AsyncClient(base_url=base_url, timeout=30) as http:
             await cut_off.wait_event("operation_claimed", operation_id=str(op.id))
             await wait_for(lambda: fake.stats()["completed"] >= 3, what="3 passes answered")
             assert (await http.get("/healthz")).status_code == 200
@@ -289,7 +282,8 @@ async def test_a_worker_cut_off_by_a_silent_partition_frees_its_slot_and_fails_h
             await wait_for(unhealthy, what="/healthz to fail while the database is silent")
 
             async def slot_freed() -> bool:
-                return await operations_running(http) == 0
+                running = await metric_total([base_url], "consolidation_operations_running")
+                return running == 0
 
             await wait_for(slot_freed, timeout_s=60, what="the cut-off worker to free its slot")
             assert proxy.connections > 0, "the partition must still hold its sockets open"
