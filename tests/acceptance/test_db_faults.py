@@ -26,7 +26,7 @@ from consolidation.fake_llm import FakeLLMServer
 from tests.acceptance.harness import ServiceProcess, metric_total, worker_env
 from tests.integration.engine_helpers import ingest, topics, wait_for
 from tests.invariants import assert_consistent
-from tests.tcp_proxy import TcpProxy
+from tests.proxy import TcpProxy
 
 pytestmark = pytest.mark.acceptance
 
@@ -261,7 +261,7 @@ async def test_a_worker_cut_off_by_a_silent_partition_frees_its_slot_and_fails_h
     op = (await queue.submit(pool, "b", max_attempts=50)).operation
     async with TcpProxy.in_front_of(database_url) as proxy:
         cut_off = ServiceProcess(
-            "cut-off", tmp_path, service_env(proxy.url_for(database_url), fake.url)
+            "cut-off", tmp_path, service_env(proxy.url(database_url), fake.url)
         )
         services.append(cut_off)
         base_url = await cut_off.api_url()
@@ -326,7 +326,7 @@ async def test_every_line_a_serve_process_writes_during_a_database_outage_is_one
     its floor connection; that record too must be one JSON line, traceback included."""
     async with TcpProxy.in_front_of(database_url) as proxy:
         service = ServiceProcess(
-            "service", tmp_path, service_env(proxy.url_for(database_url), fake.url)
+            "service", tmp_path, service_env(proxy.url(database_url), fake.url)
         )
         services.append(service)
         base_url = await service.api_url()

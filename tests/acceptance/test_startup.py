@@ -16,7 +16,7 @@ import orjson
 import pytest
 
 from tests.acceptance.harness import ServiceProcess, worker_env
-from tests.tcp_proxy import TcpProxy
+from tests.proxy import TcpProxy
 
 pytestmark = pytest.mark.acceptance
 
@@ -118,7 +118,7 @@ async def test_a_server_that_comes_up_within_the_wait_is_used(
 ) -> None:
     async with TcpProxy.in_front_of(database_url) as proxy:
         proxy.sever()
-        env = worker_env(proxy.url_for(database_url), "http://127.0.0.1:9/v1")
+        env = worker_env(proxy.url(database_url), "http://127.0.0.1:9/v1")
         service = ServiceProcess(
             "service", tmp_path, {**env, "CONSOLIDATION_DATABASE_WAIT_S": "600"}
         )

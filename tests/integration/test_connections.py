@@ -92,17 +92,18 @@ async def test_a_stalled_worker_on_a_host_with_a_long_name_is_fenced(
     await expire(pool, lease)
     stalled_pool = await db.create_pool(database_url, application_name=stalled_id)
     try:
+        stalled_conn = await stalled_pool.acquire()
+        stalled_pid = stalled_conn.get_server_pid()
         assert await sessions_named(pool, stalled_id) == 1
         fenced = await queue.terminate_stalled_workers(pool, "worker:healthy:2", grace_s=0)
         assert fenced == [stalled_id]
 
         async def ended() -> bool:
-            return await sessions_named(pool, stalled_id) == 0
+            return not await pool.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE pid = $1", stalled_pid
+            )
 
-        await wait_for(
-            ended,
-            what="the stalled worker's session to end",
-        )
+        await wait_for(ended, what="the stalled worker's session to end")
     finally:
         stalled_pool.terminate()
 
