@@ -285,7 +285,7 @@ async def run(spec: RunSpec) -> dict[str, Any]:
             min_size=1,
             max_size=settings.group_parallelism + 4,
             application_name="bench-worker",
-            idle_in_transaction_timeout_s=60.0,
+            timeouts=db.Timeouts.for_lease(60.0),
         )
     finally:
         db._init_connection = init_connection  # type: ignore[assignment]

@@ -452,8 +452,13 @@ _V1_ERRORS = (400, 401, 404, 405, 413, 422, 500, 503)
 # --- the app ---------------------------------------------------------------------------------
 
 
-def create_app(settings: Settings, pool: asyncpg.Pool) -> fastapi.FastAPI:
-    """The API over ``pool``, which the caller opens and closes (the app never does)."""
+def create_app(
+    settings: Settings, pool: asyncpg.Pool, *, contact: db.LastContact | None = None
+) -> fastapi.FastAPI:
+    """The API over ``pool``, which the caller opens and closes (the app never does).
+
+    ``contact`` is the worker's record of its database's last answer: with it, ``/healthz``
+    fails once the database has been silent for longer than a lease."""
     api_key = settings.api_key.get_secret_value() if settings.api_key else ""
     app = fastapi.FastAPI(
         title="consolidation",
@@ -485,7 +490,7 @@ def create_app(settings: Settings, pool: asyncpg.Pool) -> fastapi.FastAPI:
     )
     _add_v1_routes(v1, settings, pool)
     app.include_router(v1)
-    _add_probe_routes(app, pool)
+    _add_probe_routes(app, pool, contact, settings.lease_s)
     return app
 
 
@@ -639,10 +644,20 @@ def _add_v1_routes(router: fastapi.APIRouter, settings: Settings, pool: asyncpg.
         return RecoverResponse(recovered=recovered)
 
 
-def _add_probe_routes(app: fastapi.FastAPI, pool: asyncpg.Pool) -> None:
-    @app.get("/healthz", response_model=StatusResponse, summary="Liveness")
-    async def healthz() -> StatusResponse:
-        """The process answers (no database call)."""
+def _add_probe_routes(
+    app: fastapi.FastAPI, pool: asyncpg.Pool, contact: db.LastContact | None, lease_s: float
+) -> None:
+    @app.get("/healthz", response_model=StatusResponse, responses=_errors(503), summary="Liveness")
+    async def healthz() -> Response | StatusResponse:
+        """The process answers (no database call); a worker also fails it once its database
+        has not answered for longer than a lease (restarting it is then the cure)."""
+        if contact is not None and (silent := contact.silent_for()) > lease_s:
+            return error_response(
+                503,
+                "database_unreachable",
+                f"the database has not answered for {silent:.0f} s, longer than the lease "
+                f"(CONSOLIDATION_LEASE_S={lease_s:g})",
+            )
         return StatusResponse(status="ok")
 
     @app.get(

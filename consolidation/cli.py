@@ -44,7 +44,7 @@ class CLIError(ConsolidationError):
 
 
 def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
-    url = db.database_url(settings)
+    url = runtime.run(db.reach_database(settings), settings.event_loop)
     before = db.current_revision(url)
     db.migrate_sync(url)
     after = db.current_revision(url)
@@ -91,7 +91,7 @@ async def _ingest(settings: Settings, bank: str, memories: list[NewMemory]) -> t
     from consolidation import store
 
     url = await db.prepare_database(settings)
-    conn = await db.connect(url)
+    conn = await db.connect(url, timeouts=db.Timeouts.for_lease(settings.lease_s))
     try:
         inserted = 0
         async with conn.transaction():
@@ -166,7 +166,7 @@ async def _replay(settings: Settings, bank: str, reset: bool, bar: ProgressBar) 
             if payload == str(lease.operation_id):
                 stop.set(StopReason.CANCEL)
 
-        listener = await db.connect(rt.database_url)
+        listener = await db.connect(rt.database_url, timeouts=rt.timeouts)
         await listener.add_listener(queue.NOTIFY_CANCEL, on_cancel)
         loop = asyncio.get_running_loop()
         # Ctrl-C cancels the operation like an API cancel: applied work is kept and marked.

@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import importlib.util
+import os
+import socket
+import stat
+import time
 import uuid
 import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import asyncpg
 import orjson
@@ -33,11 +42,84 @@ DATABASE_DOWN: tuple[type[Exception], ...] = (
 MIGRATION_LOCK_KEY = 0x636F6E73  # "cons"
 
 
+# pgserver runs Postgres as this OS user when started as root (Postgres refuses to run as root).
+EMBEDDED_OS_USER = "pgserver"
+_GROUP_OTHER_RX = stat.S_IRGRP | stat.S_IXGRP | stat.S_IROTH | stat.S_IXOTH
+# Linux's limit on a Unix socket path is 108 bytes, macOS's 104.
+_SOCKET_PATH_MAX = 103
+
+
+@dataclass(frozen=True)
+class RootSideEffects:
+    """What pgserver does to the machine when the embedded Postgres starts as root (read from
+    pgserver 0.1's code): it creates the OS user ``pgserver`` (``useradd -s /bin/bash``) unless
+    it exists, gives it the data directory, and adds g+rx,o+rx to every directory above the
+    data directory, above its own binaries and (for a long path) above its socket directory."""
+
+    pgdata: Path
+    creates_user: bool
+    opened: tuple[Path, ...]
+
+    def describe(self) -> str:
+        """One line for the log, before anything is changed."""
+        if self.creates_user:
+            who = f"creates the OS user {EMBEDDED_OS_USER!r} (login shell /bin/bash) to run as"
+        else:
+            who = f"runs as the existing OS user {EMBEDDED_OS_USER!r}"
+        if self.opened:
+            dirs = ", ".join(map(str, self.opened))
+            opened = f"adds g+rx,o+rx (others may list and enter them) to {dirs}"
+        else:
+            opened = "changes no directory's permissions"
+        return (
+            f"running as root: the embedded Postgres {who}, gives it {self.pgdata}, and "
+            f"{opened}; set CONSOLIDATION_DATABASE_URL or run as another user to avoid this"
+        )
+
+
+def embedded_root_side_effects(
+    pgdata: Path, *, euid: int | None = None, binaries: Path | None = None
+) -> RootSideEffects | None:
+    """The side effects starting the embedded Postgres on ``pgdata`` will have, None when not
+    running as root (then it has none)."""
+    if euid is None:
+        euid = os.geteuid() if hasattr(os, "geteuid") else -1
+    if euid != 0:
+        return None
+    import pwd
+
+    try:
+        pwd.getpwnam(EMBEDDED_OS_USER)
+        creates_user = False
+    except KeyError:
+        creates_user = True
+    if binaries is None:
+        from pgserver._commands import POSTGRES_BIN_PATH
+
+        binaries = Path(POSTGRES_BIN_PATH)
+    targets = [pgdata, binaries]
+    if len(os.fsencode(pgdata / ".s.PGSQL.5432")) > _SOCKET_PATH_MAX:
+        import platformdirs
+
+        targets.append(platformdirs.user_runtime_path("python_PostgresServer") / "socket")
+    opened: dict[Path, None] = {}
+    for target in targets:
+        for parent in target.absolute().parents:
+            try:
+                mode = parent.stat().st_mode
+            except OSError:
+                continue  # not created yet: pgserver creates it with the mode it wants
+            if mode & _GROUP_OTHER_RX != _GROUP_OTHER_RX:
+                opened[parent] = None
+    return RootSideEffects(pgdata, creates_user, tuple(opened))
+
+
 def embedded_database_url(data_dir: Path) -> str:
     """Start (or reuse) the embedded Postgres under ``data_dir`` and return its URL.
 
     Processes sharing one data directory share the server; the last one to exit stops it.
-    The data stays for the next command.
+    The data stays for the next command. As root, what pgserver is about to change on the
+    machine is logged first, in one line (:func:`embedded_root_side_effects`).
     """
     # Imported lazily: it is only needed when no URL is configured. Its platformdirs lookup
     # warns when XDG_RUNTIME_DIR is unset (containers, CI), which says nothing to our users.
@@ -45,10 +127,20 @@ def embedded_database_url(data_dir: Path) -> str:
         warnings.simplefilter("ignore")
         from pgserver.postgres_server import get_server
 
-    data_dir.mkdir(parents=True, exist_ok=True)
-    server = get_server(data_dir / "pgdata", cleanup_mode="stop")
+        data_dir.mkdir(parents=True, exist_ok=True)
+        pgdata = (data_dir / "pgdata").resolve()
+        effects = embedded_root_side_effects(pgdata)
+    if effects is not None:
+        log.warning(
+            "embedded_postgres_as_root",
+            message=effects.describe(),
+            os_user=EMBEDDED_OS_USER,
+            os_user_created=effects.creates_user,
+            directories_opened=[str(p) for p in effects.opened],
+        )
+    server = get_server(pgdata, cleanup_mode="stop")
     url: str = server.get_uri()
-    log.info("embedded_postgres", data_dir=str(data_dir / "pgdata"), url=url)
+    log.info("embedded_postgres", data_dir=str(pgdata), url=url)
     return url
 
 
@@ -94,11 +186,121 @@ async def _keep_session(conn: asyncpg.Connection) -> None:
     is skipped. asyncpg still rolls back a transaction left open before calling this."""
 
 
-async def connect(url: str) -> asyncpg.Connection:
+# Pool connections idle this long are closed (down to the pool's floor, ``min_size``), so a
+# burst's connections go back to the server within seconds instead of asyncpg's five minutes.
+POOL_IDLE_S = 10.0
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """How long this process waits on its database, derived from the lease (docs/reliability.md,
+    "Hardening from outside fault testing").
+
+    ``statement_s`` bounds, on the client, opening a connection, each statement and the cancel
+    request asyncpg sends for a statement that overran it. The server ends a session idle
+    inside a transaction after ``statement_s`` and a statement after twice that (the client
+    gives up first; the server's bound is for when the client's cancel cannot reach it). TCP
+    keepalives on both ends notice a peer that vanished within about a lease.
+    """
+
+    statement_s: float
+    keepalive_idle_s: int
+    keepalive_interval_s: int
+    keepalive_count: int = 3
+
+    @classmethod
+    def for_lease(cls, lease_s: float) -> Timeouts:
+        return cls(
+            statement_s=lease_s,
+            keepalive_idle_s=max(1, round(lease_s / 3)),
+            keepalive_interval_s=max(1, round(lease_s / 9)),
+        )
+
+    @property
+    def user_timeout_ms(self) -> int:
+        """Data left unacknowledged this long ends the connection (TCP_USER_TIMEOUT)."""
+        return max(1, round(self.statement_s * 1000))
+
+    def server_settings(self) -> dict[str, str]:
+        statement_ms = max(1, round(self.statement_s * 1000))
+        return {
+            "statement_timeout": str(2 * statement_ms),
+            "idle_in_transaction_session_timeout": str(statement_ms),
+            "tcp_keepalives_idle": str(self.keepalive_idle_s),
+            "tcp_keepalives_interval": str(self.keepalive_interval_s),
+            "tcp_keepalives_count": str(self.keepalive_count),
+            "tcp_user_timeout": str(self.user_timeout_ms),
+        }
+
+    def configure_socket(self, sock: Any) -> None:
+        """The same keepalives on our end of a TCP connection (a Unix socket needs none)."""
+        if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+            return
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (
+            ("TCP_KEEPIDLE", self.keepalive_idle_s),
+            ("TCP_KEEPINTVL", self.keepalive_interval_s),
+            ("TCP_KEEPCNT", self.keepalive_count),
+            ("TCP_USER_TIMEOUT", self.user_timeout_ms),
+        ):
+            option = getattr(socket, name, None)  # Linux has all four, other systems fewer
+            if option is not None:
+                sock.setsockopt(socket.IPPROTO_TCP, option, value)
+
+
+@functools.cache
+def _connection_class(timeouts: Timeouts) -> type[asyncpg.Connection]:
+    """asyncpg's connection with ``timeouts``' keepalives on its socket (asyncpg has no option
+    for them; ``connection_class`` is its extension point)."""
+
+    class KeepaliveConnection(asyncpg.Connection):  # type: ignore[misc]
+        def __init__(self, protocol: Any, transport: Any, *args: Any, **kwargs: Any) -> None:
+            super().__init__(protocol, transport, *args, **kwargs)
+            timeouts.configure_socket(transport.get_extra_info("socket"))
+
+    return KeepaliveConnection
+
+
+def _bounded(timeouts: Timeouts | None, server_settings: dict[str, str]) -> dict[str, Any]:
+    """asyncpg keyword arguments that apply ``timeouts`` (None: asyncpg's defaults)."""
+    if timeouts is None:
+        return {"server_settings": server_settings}
+    return {
+        "server_settings": {**timeouts.server_settings(), **server_settings},
+        "timeout": timeouts.statement_s,
+        "command_timeout": timeouts.statement_s,
+        "connection_class": _connection_class(timeouts),
+    }
+
+
+class LastContact:
+    """When the database last answered this process (monotonic clock); starts as "now"."""
+
+    def __init__(self) -> None:
+        self._at = time.monotonic()
+
+    def heard(self) -> None:
+        self._at = time.monotonic()
+
+    def silent_for(self) -> float:
+        """Seconds since the database last answered."""
+        return time.monotonic() - self._at
+
+
+async def connect(url: str, *, timeouts: Timeouts | None = None) -> asyncpg.Connection:
     """One connection with the project's JSON codecs (for LISTEN and one-off commands)."""
-    conn: asyncpg.Connection = await asyncpg.connect(url)
+    conn: asyncpg.Connection = await asyncpg.connect(url, **_bounded(timeouts, {}))
     await _init_connection(conn)
     return conn
+
+
+# Postgres keeps at most 63 bytes of application_name and rewrites what is not printable ASCII.
+APPLICATION_NAME_MAX = 63
+
+
+def is_application_name(name: str) -> bool:
+    """Whether Postgres keeps ``name`` exactly as an ``application_name``."""
+    return len(name) <= APPLICATION_NAME_MAX and all(" " <= c <= "~" for c in name)
 
 
 async def create_pool(
@@ -107,32 +309,136 @@ async def create_pool(
     min_size: int = 1,
     max_size: int = 10,
     application_name: str | None = None,
-    idle_in_transaction_timeout_s: float | None = None,
+    timeouts: Timeouts | None = None,
+    idle_s: float = POOL_IDLE_S,
 ) -> asyncpg.Pool:
     """An asyncpg pool with orjson codecs for json/jsonb.
 
     ``application_name`` names the sessions after the worker, so a worker that stalls past its
-    lease can be fenced by ending its sessions (queue.terminate_stalled_workers).
-    ``idle_in_transaction_timeout_s`` makes the server end a session left inside a transaction
-    by a stalled client, releasing its locks.
+    lease can be fenced by ending its sessions (queue.terminate_stalled_workers); it must reach
+    the server unchanged (:func:`is_application_name`), else ValueError. ``timeouts`` bounds
+    every connect and statement. Connections idle for ``idle_s`` are closed down to
+    ``min_size``.
     """
     server_settings = {}
     if application_name:
-        server_settings["application_name"] = application_name[:63]
-    if idle_in_transaction_timeout_s is not None:
-        ms = str(max(1, int(idle_in_transaction_timeout_s * 1000)))
-        server_settings["idle_in_transaction_session_timeout"] = ms
+        if not is_application_name(application_name):
+            raise ValueError(f"Postgres would not keep {application_name!r} as application_name")
+        server_settings["application_name"] = application_name
     pool: asyncpg.Pool = await asyncpg.create_pool(
         url,
         min_size=min_size,
         max_size=max_size,
-        server_settings=server_settings,
+        max_inactive_connection_lifetime=idle_s,
         init=_init_connection,
         reset=_keep_session,
         # Statements are few and named; the cache avoids re-planning on the hot path.
         statement_cache_size=256,
+        **_bounded(timeouts, server_settings),
     )
     return pool
+
+
+# --- reaching the database at start-up -------------------------------------------------------
+
+# One connection attempt at start-up waits at most this long for the server to answer.
+CONNECT_ATTEMPT_S = 10.0
+# Pause between two attempts while the server refuses or does not answer.
+CONNECT_RETRY_S = 1.0
+
+# Server answers that say "not now" rather than "never": starting up or shutting down (57P03),
+# too many connections (53300).
+_TRANSIENT_SQLSTATES = frozenset({"57P03", "53300"})
+
+
+def redact_url(url: str) -> str:
+    """``url`` without its password (in the user part or as a query parameter)."""
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    if parts.password is not None:
+        user, _, host = netloc.rpartition("@")
+        netloc = f"{user.partition(':')[0]}:***@{host}"
+    query = [(k, "***" if k == "password" else v) for k, v in parse_qsl(parts.query)]
+    return urlunsplit(parts._replace(netloc=netloc, query=urlencode(query, safe="/*")))
+
+
+def _connect_failure(exc: BaseException, url: str) -> tuple[str, bool]:
+    """What went wrong, in a few words, and whether waiting could fix it."""
+    if isinstance(exc, socket.gaierror):
+        host = urlsplit(url).hostname or "?"
+        if exc.errno == socket.EAI_AGAIN:
+            return f"host name {host!r} could not be resolved now ({exc.strerror})", True
+        return f"host name {host!r} not found ({exc.strerror})", False
+    if isinstance(exc, TimeoutError):
+        return f"no answer within {CONNECT_ATTEMPT_S:g} s", True
+    if isinstance(exc, ConnectionRefusedError):
+        return "connection refused", True
+    if isinstance(exc, FileNotFoundError):
+        return f"no server socket at {exc.filename or 'the given path'}", True
+    if isinstance(exc, OSError):
+        return exc.strerror or type(exc).__name__, True
+    if isinstance(exc, asyncpg.PostgresError):
+        transient = exc.sqlstate in _TRANSIENT_SQLSTATES
+        return f"the server says: {exc}", transient
+    first_line = (str(exc) or type(exc).__name__).splitlines()[0]
+    if isinstance(exc, ValueError | asyncpg.ClientConfigurationError):
+        return f"not a usable URL ({first_line})", False
+    return first_line, False
+
+
+def _unusable(url: str, cause: str) -> ConfigError:
+    return ConfigError(
+        f"cannot use the database at CONSOLIDATION_DATABASE_URL={redact_url(url)}: {cause}"
+    )
+
+
+@contextlib.contextmanager
+def _one_line_connection_errors(url: str) -> Iterator[None]:
+    """SQLAlchemy's connection failures (migrations) as the same one-line ConfigError."""
+    from sqlalchemy.exc import OperationalError
+
+    try:
+        yield
+    except OperationalError as exc:
+        text = str(exc.orig or exc).strip() or type(exc).__name__
+        raise _unusable(url, text.splitlines()[0]) from None
+
+
+async def wait_for_database(url: str, wait_s: float) -> None:
+    """Connect once to ``url``, retrying for up to ``wait_s`` while the server refuses or does
+    not answer. Raises ConfigError (one line, naming CONSOLIDATION_DATABASE_URL, no password)
+    when it is still unreachable, and at once when waiting cannot help (authentication, unknown
+    database or role, unknown host, malformed URL)."""
+    deadline = time.monotonic() + wait_s
+    warned = False
+    while True:
+        try:
+            conn = await asyncpg.connect(url, timeout=CONNECT_ATTEMPT_S)
+        except Exception as exc:
+            cause, transient = _connect_failure(exc, url)
+            if transient and time.monotonic() + CONNECT_RETRY_S < deadline:
+                if not warned:
+                    warned = True
+                    log.warning(
+                        "database_unreachable_retrying",
+                        url=redact_url(url),
+                        error=cause,
+                        wait_s=wait_s,
+                    )
+                await asyncio.sleep(CONNECT_RETRY_S)
+                continue
+            retried = f"; retried for {wait_s:g} s (CONSOLIDATION_DATABASE_WAIT_S)"
+            raise _unusable(url, cause + (retried if transient else "")) from None
+        await conn.close()
+        return
+
+
+async def reach_database(settings: Settings) -> str:
+    """The database URL (the embedded server's when none is configured), once it answers."""
+    url = await asyncio.to_thread(database_url, settings)
+    if settings.database_url:
+        await wait_for_database(url, settings.database_wait_s)
+    return url
 
 
 def migrations_dir() -> Path:
@@ -170,7 +476,7 @@ def migrate_sync(url: str, revision: str = "head") -> None:
     cfg = _alembic_config(url)
     engine = create_engine(sqlalchemy_url(url), poolclass=NullPool)
     try:
-        with engine.connect() as conn:
+        with _one_line_connection_errors(url), engine.connect() as conn:
             conn.execute(text("SELECT pg_advisory_lock(:k)"), {"k": MIGRATION_LOCK_KEY})
             try:
                 cfg.attributes["connection"] = conn
@@ -191,7 +497,7 @@ def current_revision(url: str) -> str | None:
 
     engine = create_engine(sqlalchemy_url(url), poolclass=NullPool)
     try:
-        with engine.connect() as conn:
+        with _one_line_connection_errors(url), engine.connect() as conn:
             rev: str | None = MigrationContext.configure(conn).get_current_revision()
             return rev
     finally:
@@ -204,7 +510,8 @@ async def migrate(url: str) -> None:
 
 
 async def prepare_database(settings: Settings) -> str:
-    """Resolve the database (embedded when unset) and bring its schema to head; returns the URL."""
-    url = await asyncio.to_thread(database_url, settings)
+    """Resolve the database (embedded when unset), wait for it to answer and bring its schema
+    to head; returns the URL."""
+    url = await reach_database(settings)
     await migrate(url)
     return url

@@ -1,9 +1,16 @@
-"""structlog set-up: JSON lines by default, a readable console format on a terminal."""
+"""structlog set-up: JSON lines by default, a readable console format on a terminal.
+
+The standard library's loggers (asyncpg, uvicorn, alembic, aiohttp, asyncio, warnings) go
+through the same renderer, so in JSON mode every line a process writes to stderr is one JSON
+object, tracebacks included (as structured ``exception`` frames, without local variables).
+"""
 
 from __future__ import annotations
 
 import logging
 import sys
+import threading
+from types import TracebackType
 from typing import Any
 
 import orjson
@@ -18,22 +25,62 @@ def configure_logging(fmt: str | None = None, level: str = "INFO") -> None:
     """Configure structlog and stdlib logging once; ``fmt`` None picks console on a TTY."""
     if fmt is None:
         fmt = "console" if sys.stderr.isatty() else "json"
-    shared: list[Any] = [
-        structlog.contextvars.merge_contextvars,
-        structlog.processors.add_log_level,
-        structlog.processors.TimeStamper(fmt="iso", utc=True),
-    ]
+    timestamper = structlog.processors.TimeStamper(fmt="iso", utc=True)
     renderer: Any
+    tracebacks: list[Any] = []
     if fmt == "console":
         renderer = structlog.dev.ConsoleRenderer()
     else:
-        shared += [structlog.processors.dict_tracebacks]
+        # Structured frames without their local variables: library frames hold passwords
+        # (asyncpg's connect) and keys, which must not reach the logs.
+        tracebacks = [
+            structlog.processors.ExceptionRenderer(
+                structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
+            )
+        ]
         renderer = structlog.processors.JSONRenderer(serializer=_orjson_dumps)
     structlog.configure(
-        processors=[*shared, renderer],
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            timestamper,
+            *tracebacks,
+            renderer,
+        ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
-    # Libraries (uvicorn, alembic) log through the standard library: keep them quieter.
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(name)s: %(message)s")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[
+                structlog.stdlib.add_log_level,
+                structlog.stdlib.add_logger_name,
+                timestamper,
+                *tracebacks,
+            ],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
+        )
+    )
+    root = logging.getLogger()
+    for old in list(root.handlers):
+        root.removeHandler(old)
+    root.addHandler(handler)
+    # Libraries say much at INFO (uvicorn, alembic, pgserver): only their warnings and errors.
+    root.setLevel(max(logging.WARNING, logging.getLevelName(level)))
+    logging.captureWarnings(True)
+    if fmt == "json":
+        sys.excepthook = _log_uncaught
+        threading.excepthook = _log_uncaught_in_thread
+
+
+def _log_uncaught(
+    kind: type[BaseException], error: BaseException, tb: TracebackType | None
+) -> None:
+    structlog.get_logger("consolidation").critical("uncaught_exception", exc_info=(kind, error, tb))
+
+
+def _log_uncaught_in_thread(args: threading.ExceptHookArgs) -> None:
+    if args.exc_value is not None:
+        _log_uncaught(args.exc_type, args.exc_value, args.exc_traceback)

@@ -4,6 +4,7 @@ verbs and the service so both run on identical parts."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import importlib.util
 import os
 import socket
@@ -80,9 +81,25 @@ def build_consolidator(settings: Settings) -> Consolidator:
     )
 
 
-def worker_identity(kind: str) -> str:
-    """A worker id that says where it runs: ``kind:host:pid``."""
-    return f"{kind}:{socket.gethostname()}:{os.getpid()}"
+def worker_identity(kind: str, hostname: str | None = None, pid: int | None = None) -> str:
+    """A worker id that says where it runs, ``kind:host:pid``, and that Postgres keeps unchanged
+    as the ``application_name`` of its sessions (printable ASCII, at most 63 bytes): leases and
+    sessions must carry the same id for a stalled worker to be fenced.
+
+    A host name that does not fit is cut and tagged with a hash of the whole name, so two long
+    names that share a beginning still give two ids.
+    """
+    host = socket.gethostname() if hostname is None else hostname
+    suffix = f":{os.getpid() if pid is None else pid}"
+    room = db.APPLICATION_NAME_MAX - len(kind) - 1 - len(suffix)
+    if not db.is_application_name(host) or len(host) > room:
+        digest = hashlib.sha256(host.encode("utf-8", "surrogateescape")).hexdigest()[:8]
+        printable = "".join(c if " " <= c <= "~" else "?" for c in host)
+        host = f"{printable[: max(0, room - 9)]}~{digest}"
+    worker_id = f"{kind}:{host}{suffix}"
+    if not db.is_application_name(worker_id):  # only a kind far too long gets here
+        raise ValueError(f"worker kind {kind!r} leaves no room for a host name")
+    return worker_id
 
 
 @dataclass(frozen=True)
@@ -92,6 +109,7 @@ class Runtime:
     pool: asyncpg.Pool
     llm: Consolidator
     worker_id: str
+    timeouts: db.Timeouts
 
 
 @asynccontextmanager
@@ -101,20 +119,29 @@ async def open_runtime(
     """Database (migrated) and LLM client, closed in reverse order on exit.
 
     The pool's sessions are named after this process's worker id (``kind:host:pid``), the same
-    id its leases carry, so a stalled process can be fenced by ending its sessions.
+    id its leases carry, so a stalled process can be fenced by ending its sessions. Every
+    statement is bounded by the lease (:class:`db.Timeouts`); idle connections are released
+    down to one within ``db.POOL_IDLE_S``.
     """
     async with AsyncExitStack() as stack:
         url = await db.prepare_database(settings)
         size = pool_size or max(10, settings.group_parallelism * settings.worker_concurrency + 4)
         worker_id = worker_identity(kind)
+        timeouts = db.Timeouts.for_lease(settings.lease_s)
         pool = await db.create_pool(
-            url,
-            min_size=1,
-            max_size=size,
-            application_name=worker_id,
-            idle_in_transaction_timeout_s=settings.lease_s,
+            url, min_size=1, max_size=size, application_name=worker_id, timeouts=timeouts
         )
-        stack.push_async_callback(pool.close)
+        stack.push_async_callback(_close_pool, pool)
         llm = build_consolidator(settings)
         stack.push_async_callback(llm.aclose)
-        yield Runtime(settings, url, pool, llm, worker_id)
+        yield Runtime(settings, url, pool, llm, worker_id, timeouts)
+
+
+async def _close_pool(pool: asyncpg.Pool) -> None:
+    """Close the pool; a database that does not answer (each close is bounded by the lease)
+    gets its connections dropped instead, which must not turn a clean shutdown into a crash."""
+    try:
+        await pool.close()
+    except Exception as exc:
+        log.warning("database_pool_close_failed", error=repr(exc))
+        pool.terminate()

@@ -83,15 +83,17 @@ async def serve(settings: Settings, *, api: bool = True, worker: bool = True) ->
             stack.callback(sock.close)
         rt = await stack.enter_async_context(open_runtime(settings))
         await stack.enter_async_context(EventLoopLagMonitor())
+        the_worker = None
         if worker:
             the_worker = Worker(settings, rt.pool, rt.database_url, rt.llm, worker_id=rt.worker_id)
             tasks.append(asyncio.create_task(the_worker.run(shutdown), name="worker"))
         if sock is not None:
             from consolidation.api import create_app
 
+            contact = the_worker.contact if the_worker is not None else None
             server = _ApiServer(
                 uvicorn.Config(
-                    create_app(settings, rt.pool),
+                    create_app(settings, rt.pool, contact=contact),
                     log_config=None,
                     access_log=False,
                     lifespan="off",

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -11,6 +13,19 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from consolidation.errors import ConfigError
 
 ENV_PREFIX = "CONSOLIDATION_"
+
+
+def default_data_dir(euid: int | None = None, home: Path | None = None) -> Path:
+    """``~/.local/share/consolidation``; as root ``/var/lib/consolidation``, unless the former
+    already holds a database. The embedded Postgres cannot run as root, and pgserver then opens
+    every directory above its data to other users: under /var/lib that is nothing new, under
+    the home directory it would expose root's home (docs/reliability.md)."""
+    if euid is None:
+        euid = os.geteuid() if hasattr(os, "geteuid") else -1
+    in_home = (Path.home() if home is None else home) / ".local" / "share" / "consolidation"
+    if euid == 0 and not (in_home / "pgdata" / "PG_VERSION").exists():
+        return Path("/var/lib/consolidation")
+    return in_home
 
 
 class Settings(BaseSettings):
@@ -21,8 +36,13 @@ class Settings(BaseSettings):
     database_url: str | None = Field(
         default=None, description="Postgres URL; unset starts an embedded Postgres under DATA_DIR."
     )
+    database_wait_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="At start-up, how long to retry a database that refuses or does not answer.",
+    )
     data_dir: Path = Field(
-        default=Path.home() / ".local" / "share" / "consolidation",
+        default_factory=lambda: default_data_dir(),
         description="Where the embedded Postgres keeps its files.",
     )
 
@@ -107,6 +127,10 @@ class Settings(BaseSettings):
     def _postgres_url(cls, value: str | None) -> str | None:
         if value is not None and not value.startswith(("postgres://", "postgresql://")):
             raise ValueError("must be a postgresql:// URL")
+        try:
+            _ = urlsplit(value or "").port
+        except ValueError:
+            raise ValueError("the port must be a number from 0 to 65535") from None
         return value
 
     @field_validator("llm_base_url")

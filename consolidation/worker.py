@@ -1,7 +1,9 @@
 """The long-running poller: claims operations, runs them in slots, shuts down gracefully.
 
 Wake-ups come from LISTEN/NOTIFY (submit and cancel) with a polling fallback, so a lost
-notification costs at most one poll interval; the LISTEN connection is reopened when it drops.
+notification costs at most one poll interval; the LISTEN connection is reopened when it drops,
+and pinged every lease/3 because a silent connection may be one whose peer is gone. The pings
+also say when the database last answered (:attr:`Worker.contact`, read by ``/healthz``).
 The pool and the LLM client belong to the caller (service.py holds them in one exit stack).
 """
 
@@ -58,6 +60,8 @@ class Worker:
         self._wake = asyncio.Event()
         self._listener: asyncpg.Connection | None = None
         self._listen_retry_at = 0.0
+        self.timeouts = db.Timeouts.for_lease(settings.lease_s)
+        self.contact = db.LastContact()
         self.log = log.bind(worker_id=self.worker_id)
 
     # --- notifications ------------------------------------------------------------------------
@@ -82,31 +86,56 @@ class Worker:
             return
         if time.monotonic() < self._listen_retry_at:
             return
-        reconnect = self._listener is not None
-        if reconnect:
+        # Listened before (this connection, or one that dropped before a failed reopen).
+        reconnect = self._listener is not None or self._listen_retry_at > 0
+        if self._listener is not None:
             await _close_quietly(self._listener)
             self._listener = None
+        conn = None
         try:
-            conn = await db.connect(self.database_url)
+            conn = await db.connect(self.database_url, timeouts=self.timeouts)
             await conn.add_listener(queue.NOTIFY_SUBMIT, self._on_submit)
             await conn.add_listener(queue.NOTIFY_CANCEL, self._on_cancel)
             # A dropped LISTEN session wakes the loop, which reopens it at once.
             conn.add_termination_listener(self._on_submit)
         except Exception as exc:
+            if conn is not None:
+                conn.terminate()
             self._listen_retry_at = time.monotonic() + LISTEN_RETRY_S
             self.log.warning("listen_unavailable", error=repr(exc))
             return
         self._listener = conn
+        self.contact.heard()
         if reconnect:
             self.log.info("listen_restored")
             # Notifications sent while we were not listening are lost: look for work now, and
             # for cancels of running operations (their heartbeat also notices within lease/3).
             self._wake.set()
 
+    async def _ping_listener(self) -> None:
+        """Every lease/3, ask the LISTEN connection for an answer. A partition can leave the
+        socket open and silent (no error ever comes), so no answer within lease/3 closes it and
+        wakes the loop, which reopens it."""
+        interval = self.settings.lease_s / 3
+        while True:
+            await asyncio.sleep(interval)
+            conn = self._listener
+            if conn is None or conn.is_closed():
+                self._wake.set()  # the loop reopens it, however long its poll interval
+                continue
+            try:
+                await conn.fetchval("SELECT 1", timeout=interval)
+            except Exception as exc:
+                self.log.warning("listen_connection_lost", error=repr(exc))
+                conn.terminate()  # its termination listener wakes the loop
+                continue
+            self.contact.heard()
+
     # --- the loop -----------------------------------------------------------------------------
 
     async def run(self, shutdown: asyncio.Event) -> None:
         """Claim and run operations until ``shutdown`` is set, then shut down gracefully."""
+        pinger = asyncio.create_task(self._ping_listener(), name="listen-ping")
         try:
             await self._ensure_listener()
             self.log.info(
@@ -120,6 +149,8 @@ class Worker:
                 await self._wait_for_work(shutdown)
             await self._drain()
         finally:
+            pinger.cancel()
+            await asyncio.gather(pinger, return_exceptions=True)
             if self._listener is not None:
                 await _close_quietly(self._listener)
         self.log.info("worker_stopped")

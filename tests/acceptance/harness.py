@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import orjson
 
 from tests.integration.engine_helpers import wait_for
@@ -27,6 +28,17 @@ def worker_env(database_url: str, llm_url: str, **extra: str) -> dict[str, str]:
         "CONSOLIDATION_AUTO_CONSOLIDATE": "false",
         **extra,
     }
+
+
+async def metric_total(urls: list[str], name: str) -> float:
+    """The sum of an unlabelled metric over the ``/metrics`` of several processes."""
+    total = 0.0
+    async with httpx.AsyncClient(timeout=30) as http:
+        for url in urls:
+            for line in (await http.get(f"{url}/metrics")).text.splitlines():
+                if line.startswith(name + " "):
+                    total += float(line.split()[1])
+    return total
 
 
 class ServiceProcess:

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import contextlib
+import signal
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -17,13 +18,15 @@ from typing import Any
 
 import asyncpg
 import httpx
+import orjson
 import pytest
 
 from consolidation import db, queue
 from consolidation.fake_llm import FakeLLMServer
-from tests.acceptance.harness import ServiceProcess, worker_env
+from tests.acceptance.harness import ServiceProcess, metric_total, worker_env
 from tests.integration.engine_helpers import ingest, topics, wait_for
 from tests.invariants import assert_consistent
+from tests.proxy import TcpProxy
 
 pytestmark = pytest.mark.acceptance
 
@@ -213,13 +216,14 @@ async def restart_postgres_twice_and_recover(
                 what=f"{answered} passes to be answered",
             )
             private_pg.stop(mode)
+            # Alive: the outage is younger than a lease (after that, /healthz fails too).
+            assert (await http.get("/healthz")).status_code == 200
             await assert_database_unavailable(http, "GET", "/readyz")
             await assert_database_unavailable(http, "GET", "/v1/banks/b/stats")
             await assert_database_unavailable(http, "GET", op_path)
             await assert_database_unavailable(
                 http, "POST", "/v1/banks/b/memories", json={"memories": [{"text": "x"}]}
             )
-            assert (await http.get("/healthz")).status_code == 200
             assert service.proc.poll() is None, (
                 "the service must not exit while the database is down"
             )
@@ -237,3 +241,112 @@ async def restart_postgres_twice_and_recover(
         await wait_for(completed, timeout_s=90, what="the operation to complete")
         stats = (await http.get("/v1/banks/b/stats")).json()
         assert stats["pending"] == 0 and stats["failed"] == 0 and stats["consolidated"] == 32
+
+
+# --- a path to the database that goes silent (half-open connections) -----------------------------
+
+
+async def test_a_worker_cut_off_by_a_silent_partition_frees_its_slot_and_fails_healthz_until_it_heals(
+    pool: asyncpg.Pool,
+    database_url: str,
+    fake: FakeLLMServer,
+    services: list[ServiceProcess],
+    tmp_path: Path,
+) -> None:
+    """A proxy stops forwarding with every socket left open: no error ever reaches the worker.
+    Bounded statements free its slot while the partition lasts, /healthz fails after a lease of
+    silence and recovers after, and a replica on a healthy path finishes the operation once."""
+    fake.control(latency_ms=60)
+    await ingest(pool, "b", topics(4, 8))
+    op = (await queue.submit(pool, "b", max_attempts=50)).operation
+    async with TcpProxy.in_front_of(database_url) as proxy:
+        cut_off = ServiceProcess(
+            "cut-off", tmp_path, service_env(proxy.url(database_url), fake.url)
+        )
+        services.append(cut_off)
+        base_url = await cut_off.api_url()
+        async with httpx.AsyncClient(base_url=base_url, timeout=30) as http:
+            await cut_off.wait_event("operation_claimed", operation_id=str(op.id))
+            await wait_for(lambda: fake.stats()["completed"] >= 3, what="3 passes answered")
+            assert (await http.get("/healthz")).status_code == 200
+            proxy.freeze()
+
+            async def unhealthy() -> bool:
+                response = await http.get("/healthz")
+                if response.status_code == 200:
+                    return False
+                assert response.status_code == 503, response.text
+                assert response.json()["error"]["code"] == "database_unreachable"
+                return True
+
+            await wait_for(unhealthy, what="/healthz to fail while the database is silent")
+
+            async def slot_freed() -> bool:
+                running = await metric_total([base_url], "consolidation_operations_running")
+                return running == 0
+
+            await wait_for(slot_freed, timeout_s=60, what="the cut-off worker to free its slot")
+            assert proxy.connections > 0, "the partition must still hold its sockets open"
+
+            healthy = ServiceProcess(
+                "healthy", tmp_path, service_env(database_url, fake.url), "--no-api"
+            )
+            services.append(healthy)
+            await wait_for(
+                lambda: pool.fetchval(
+                    "SELECT status = 'completed' FROM operations WHERE id = $1", op.id
+                ),
+                timeout_s=90,
+                what="the healthy replica to finish the operation",
+            )
+            assert (await unhealthy()) is True, "still cut off: /healthz must still fail"
+            proxy.thaw()
+
+            async def healthy_again() -> bool:
+                return (await http.get("/healthz")).status_code == 200
+
+            await wait_for(healthy_again, what="/healthz to recover once the path heals")
+            assert cut_off.proc.poll() is None and healthy.proc.poll() is None
+    finished = await queue.get_operation(pool, op.id)
+    assert finished.worker_id is not None and finished.worker_id.startswith("worker:")
+    assert finished.attempt >= 2
+    census = await assert_consistent(pool)
+    assert census.consolidated == 32 and census.failed == 0
+    assert census.outcomes == 32 and census.sources == 32
+    assert census.observations == 4  # one per topic: no duplicate
+
+
+async def test_every_line_a_serve_process_writes_during_a_database_outage_is_one_json_object(
+    database_url: str,
+    fake: FakeLLMServer,
+    services: list[ServiceProcess],
+    tmp_path: Path,
+) -> None:
+    """asyncpg logs through the standard library, with a traceback, when its pool cannot restore
+    its floor connection; that record too must be one JSON line, traceback included."""
+    async with TcpProxy.in_front_of(database_url) as proxy:
+        service = ServiceProcess(
+            "service", tmp_path, service_env(proxy.url(database_url), fake.url)
+        )
+        services.append(service)
+        base_url = await service.api_url()
+        await service.wait_event("worker_started")
+        proxy.sever()
+        record = await service.wait_event("Failed to restore the pool connection floor; retrying")
+        assert record["logger"] == "asyncpg.pool" and record["level"] == "warning"
+        assert record["exception"][0]["frames"], "the traceback is part of the JSON record"
+        proxy.restore()
+        async with httpx.AsyncClient(base_url=base_url, timeout=30) as http:
+
+            async def ready() -> bool:
+                return (await http.get("/readyz")).status_code == 200
+
+            await wait_for(ready, what="readiness to recover")
+        service.signal(signal.SIGTERM)
+        # Not service.wait_exit(): the proxy lives in this event loop, which must keep running.
+        await wait_for(lambda: service.proc.poll() is not None, what="the service to exit")
+        assert service.proc.returncode == 0
+    lines = service.log_path.read_bytes().splitlines()
+    assert lines
+    for line in lines:
+        assert isinstance(orjson.loads(line), dict), line

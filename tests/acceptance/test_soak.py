@@ -24,7 +24,7 @@ import pytest
 
 from consolidation.fake_llm import FakeLLMConfig, FakeLLMServer
 from consolidation.memories import parse_memory
-from tests.acceptance.harness import ServiceProcess
+from tests.acceptance.harness import ServiceProcess, metric_total
 from tests.integration.engine_helpers import wait_for
 from tests.invariants import assert_consistent
 
@@ -79,16 +79,6 @@ def memory(rnd: random.Random, bank: str, n: int) -> dict[str, Any]:
     if kind < 0.95:
         return {"text": text, "tags": [a], "observation_scopes": "shared"}
     return {"text": text, "tags": [a, b], "observation_scopes": "all_combinations"}
-
-
-async def metric_total(urls: list[str], name: str) -> float:
-    total = 0.0
-    async with httpx.AsyncClient(timeout=30) as http:
-        for url in urls:
-            for line in (await http.get(f"{url}/metrics")).text.splitlines():
-                if line.startswith(name + " "):
-                    total += float(line.split()[1])
-    return total
 
 
 async def test_soak_journal_markers_and_observations_agree_after_cancels_and_a_killed_worker(

@@ -35,6 +35,8 @@ def test_environment_overrides_defaults(monkeypatch: pytest.MonkeyPatch) -> None
         ("CONSOLIDATION_WAVE_SIZE", "zero"),
         ("CONSOLIDATION_GROUP_PARALLELISM", "0"),
         ("CONSOLIDATION_DATABASE_URL", "mysql://x"),
+        ("CONSOLIDATION_DATABASE_URL", "postgresql://app@db:port/app"),
+        ("CONSOLIDATION_DATABASE_WAIT_S", "-1"),
         ("CONSOLIDATION_LOG_FORMAT", "xml"),
         ("CONSOLIDATION_LEASE_S", "-1"),
         ("CONSOLIDATION_EVENT_LOOP", "trio"),

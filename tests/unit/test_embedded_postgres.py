@@ -1,0 +1,50 @@
+"""The embedded Postgres as root: what pgserver will change on the machine is known (and logged)
+before it happens, and the default data directory keeps it away from the home directory."""
+
+from __future__ import annotations
+
+import pwd
+from pathlib import Path
+
+from consolidation.db import EMBEDDED_OS_USER, embedded_root_side_effects
+from consolidation.settings import default_data_dir
+
+
+def test_as_root_the_default_data_directory_is_outside_the_home(tmp_path: Path) -> None:
+    in_home = tmp_path / ".local" / "share" / "consolidation"
+    assert default_data_dir(euid=1000, home=tmp_path) == in_home
+    assert default_data_dir(euid=0, home=tmp_path) == Path("/var/lib/consolidation")
+    # A database already there stays in use (upgrading must not lose it).
+    (in_home / "pgdata").mkdir(parents=True)
+    (in_home / "pgdata" / "PG_VERSION").write_text("18\n")
+    assert default_data_dir(euid=0, home=tmp_path) == in_home
+
+
+def test_the_side_effects_name_every_directory_pgserver_will_open(tmp_path: Path) -> None:
+    locked = tmp_path / "locked"
+    (locked / "open" / "data").mkdir(parents=True)
+    (locked / "open").chmod(0o755)
+    locked.chmod(0o700)
+    binaries = tmp_path / "venv" / "pginstall" / "bin"
+    binaries.mkdir(parents=True)
+    (tmp_path / "venv").chmod(0o750)
+    pgdata = locked / "open" / "data" / "pgdata"
+
+    effects = embedded_root_side_effects(pgdata, euid=0, binaries=binaries)
+
+    assert effects is not None
+    assert locked in effects.opened and tmp_path / "venv" in effects.opened
+    assert locked / "open" not in effects.opened
+    try:
+        pwd.getpwnam(EMBEDDED_OS_USER)
+        assert not effects.creates_user
+    except KeyError:
+        assert effects.creates_user
+    line = effects.describe()
+    assert "\n" not in line and str(locked) in line and str(pgdata) in line
+    assert "CONSOLIDATION_DATABASE_URL" in line
+    assert (locked.stat().st_mode & 0o777) == 0o700, "reading the effects changes nothing"
+
+
+def test_not_as_root_the_embedded_postgres_has_no_side_effects(tmp_path: Path) -> None:
+    assert embedded_root_side_effects(tmp_path / "pgdata", euid=1000) is None
