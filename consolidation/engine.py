@@ -811,5 +811,5 @@ async def _record_end(
 
 
 def _describe(error: BaseException) -> str:
-    text = str(error) or type(error).__name__
-    return f"{type(error).__name__}: {text}"
+    text = str(error)
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__

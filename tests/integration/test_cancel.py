@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from urllib.parse import urlsplit
 
 import asyncpg
 
@@ -34,8 +33,7 @@ async def test_a_pass_applied_while_its_operation_is_cancelled_is_marked_and_cou
     # so the cancelled operation must mark its memories and count them as processed.
     await ingest(pool, "b", topics(6, 3))
     fake.control(latency_ms=20)
-    target = urlsplit(database_url)
-    async with TcpProxy(target.hostname or "127.0.0.1", target.port or 5432) as proxy:
+    async with TcpProxy.in_front_of(database_url) as proxy:
         engine_pool = await db.create_pool(proxy.url(database_url), min_size=1, max_size=12)
         llm = http_llm(fake.url)
         try:
