@@ -34,6 +34,10 @@ status sent), ``aborted`` (client left first), ``in_flight``, ``max_in_flight``,
 (whether a schema came with it), ``max_tokens`` (None when absent), ``roles`` (of the messages,
 in order), ``instructed`` (whether the first user message has instructions before the §3 object)
 and ``turns`` (the contents of the messages after it: a repair's answer and note).
+
+``POST /embeddings`` and ``POST /v1/embeddings`` answer deterministic vectors in which
+paraphrases are close (:mod:`consolidation.fake_embeddings`), with their own latency, failure
+injection and script (``control(embeddings={...})``) and their own stats (``embeddings``).
 """
 
 from __future__ import annotations
@@ -61,9 +65,10 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from consolidation import offline, prompts
+from consolidation.fake_embeddings import DEFAULT_DIMENSIONS, embed_text
 from consolidation.service import listen_socket
 
-__all__ = ["FakeLLMConfig", "FakeLLMServer", "create_app", "serve"]
+__all__ = ["FakeEmbeddingsConfig", "FakeLLMConfig", "FakeLLMServer", "create_app", "serve"]
 
 log = structlog.get_logger(__name__)
 
@@ -424,9 +429,14 @@ class _FakeLLM:
         self._closing: asyncio.Event | None = None
         self._closing_requested = False
         self._clear_stats()
+        self.embeddings = _FakeEmbeddings(self)
         self._routes = Starlette(
             routes=[
                 *(Route(path, self._chat, methods=["POST"]) for path in _CHAT_PATHS),
+                *(
+                    Route(path, self.embeddings.endpoint, methods=["POST"])
+                    for path in _EMBEDDINGS_PATHS
+                ),
                 Route("/_stats", self._stats_endpoint, methods=["GET"]),
                 Route("/_control", self._control_endpoint, methods=["POST"]),
                 Route("/_reset", self._reset_endpoint, methods=["POST"]),
@@ -477,10 +487,13 @@ class _FakeLLM:
                 ],
                 "statuses": dict(self._statuses),
                 "script_pending": len(self._script),
+                "embeddings": self.embeddings.stats(),
             }
 
     def control(self, **changes: Any) -> None:
         """Change config fields and/or queue ``script`` items (appended, consumed FIFO)."""
+        if "embeddings" in changes:
+            self.embeddings.control(changes.pop("embeddings"))
         unknown = set(changes) - _CONFIG_FIELDS - {"script"}
         if unknown:
             raise ValueError(f"unknown fake LLM settings {sorted(unknown)}")
@@ -496,6 +509,7 @@ class _FakeLLM:
         with self._lock:
             self._script.clear()
             self._clear_stats()
+        self.embeddings.reset()
 
     def close(self) -> None:
         """Answer 503 to hanging and sleeping requests now and to any later ones, so a server
@@ -723,6 +737,201 @@ class _FakeLLM:
     async def _reset_endpoint(self, request: Request) -> Response:
         self.reset()
         return Response(orjson.dumps({"reset": True}), media_type="application/json")
+
+
+# --- embeddings ------------------------------------------------------------------------------
+
+_EMBEDDINGS_PATHS = ("/embeddings", "/v1/embeddings")
+
+
+@dataclass
+class FakeEmbeddingsConfig:
+    """Behaviour of ``POST /v1/embeddings``; changed at run time with
+    ``control(embeddings={...})`` (also ``{"script": [...]}``: ``{status, retry_after?, body?}``,
+    ``{hang: true}`` or ``{pass: true}`` items, consumed one per request)."""
+
+    latency_ms: float = 0
+    fail_rate: float = 0.0
+    fail_status: int = 503
+    retry_after_s: float | None = None
+    dimensions: int = DEFAULT_DIMENSIONS
+
+
+_EMBEDDINGS_FIELDS = frozenset(f.name for f in dataclasses.fields(FakeEmbeddingsConfig))
+
+
+class _FakeEmbeddings:
+    """The fake's OpenAI-compatible embeddings endpoint: vectors from
+    :func:`consolidation.fake_embeddings.embed_text` (paraphrases close, unrelated texts far),
+    the request's ``dimensions`` honoured. Stats under ``stats()["embeddings"]``: ``requests``,
+    ``inputs`` (texts answered), ``completed``, ``failed``, ``aborted``, ``statuses`` and
+    ``calls`` (``inputs``, ``model``, ``dimensions``, ``status``, ``started``, ``ended``)."""
+
+    def __init__(self, owner: _FakeLLM) -> None:
+        self._owner = owner
+        self._lock = threading.Lock()
+        self._config = FakeEmbeddingsConfig()
+        self._rng = random.Random(owner.config().seed)
+        self._script: deque[dict[str, Any]] = deque()
+        self._clear()
+
+    def _clear(self) -> None:
+        self._requests = 0
+        self._inputs = 0
+        self._completed = 0
+        self._failed = 0
+        self._aborted = 0
+        self._statuses: Counter[int] = Counter()
+        self._calls: deque[dict[str, Any]] = deque(maxlen=MAX_RECORDED_CALLS)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "requests": self._requests,
+                "inputs": self._inputs,
+                "completed": self._completed,
+                "failed": self._failed,
+                "aborted": self._aborted,
+                "statuses": dict(self._statuses),
+                "calls": [{**c, "inputs": list(c["inputs"])} for c in self._calls],
+                "script_pending": len(self._script),
+            }
+
+    def control(self, changes: object) -> None:
+        if not isinstance(changes, dict):
+            raise ValueError("embeddings must be an object of embeddings settings and/or script")
+        changes = dict(changes)
+        unknown = set(changes) - _EMBEDDINGS_FIELDS - {"script"}
+        if unknown:
+            raise ValueError(f"unknown fake embeddings settings {sorted(unknown)}")
+        script = _validate_script(changes.pop("script")) if "script" in changes else []
+        if any("content" in item for item in script):
+            raise ValueError("embeddings script items are {status…}, {hang} or {pass}")
+        with self._lock:
+            self._config = dataclasses.replace(self._config, **changes)
+            self._script.extend(script)
+
+    def reset(self) -> None:
+        with self._lock:
+            self._script.clear()
+            self._clear()
+
+    def _begin(
+        self, inputs: list[str], model: str, dimensions: int, problem: str | None, auth: str | None
+    ) -> tuple[dict[str, Any], _Plan]:
+        api_key = self._owner.config().api_key
+        with self._lock:
+            config = self._config
+            record: dict[str, Any] = {
+                "inputs": tuple(inputs),
+                "model": model,
+                "dimensions": dimensions,
+                "status": None,
+                "started": time.monotonic(),
+                "ended": None,
+            }
+            self._calls.append(record)
+            self._requests += 1
+            if api_key is not None and auth != f"Bearer {api_key}":
+                return record, _Plan(status=401, body="missing or wrong bearer token")
+            if problem is not None:
+                return record, _Plan(status=400, body=problem)
+            delay_s = config.latency_ms / 1000.0
+            item = self._script.popleft() if self._script else None
+            if item is not None and not item.get("pass"):
+                if item.get("hang"):
+                    return record, _Plan(hang=True)
+                return record, _Plan(
+                    delay_s=delay_s,
+                    status=item["status"],
+                    retry_after=item.get("retry_after"),
+                    body=item.get("body"),
+                )
+            if config.fail_rate > 0 and self._rng.random() < config.fail_rate:
+                return record, _Plan(
+                    delay_s=delay_s, status=config.fail_status, retry_after=config.retry_after_s
+                )
+            return record, _Plan(delay_s=delay_s)
+
+    def _finish(self, record: dict[str, Any], status: int | None) -> None:
+        with self._lock:
+            record["status"] = status
+            record["ended"] = time.monotonic()
+            if status is None:
+                self._aborted += 1
+                return
+            self._statuses[status] += 1
+            if status == 200:
+                self._completed += 1
+                self._inputs += len(record["inputs"])
+            else:
+                self._failed += 1
+
+    @staticmethod
+    def _parse(body: bytes, default_dimensions: int) -> tuple[list[str], str, int, str | None]:
+        try:
+            request = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            request = None
+        if not isinstance(request, dict):
+            return [], "fake", default_dimensions, "request body is not a JSON object"
+        model = request["model"] if isinstance(request.get("model"), str) else "fake"
+        raw = request.get("input")
+        inputs = [raw] if isinstance(raw, str) else raw
+        if (
+            not isinstance(inputs, list)
+            or not inputs
+            or not all(isinstance(t, str) for t in inputs)
+        ):
+            return [], model, default_dimensions, "input must be a string or a list of strings"
+        dimensions = request.get("dimensions", default_dimensions)
+        if isinstance(dimensions, bool) or not isinstance(dimensions, int) or dimensions < 1:
+            return inputs, model, default_dimensions, "dimensions must be a positive integer"
+        return inputs, model, dimensions, None
+
+    async def endpoint(self, request: Request) -> Response:
+        with self._lock:
+            default_dimensions = self._config.dimensions
+        inputs, model, dimensions, problem = self._parse(await request.body(), default_dimensions)
+        record, plan = self._begin(
+            inputs, model, dimensions, problem, request.headers.get("authorization")
+        )
+        status: int | None = None
+        try:
+            waited = "elapsed"
+            if plan.hang or plan.delay_s > 0:
+                delay_s = None if plan.hang else plan.delay_s
+                waited = await _wait(request.receive, delay_s, self._owner._closing_event())
+            if waited == "disconnect":
+                return Response(status_code=499)
+            if waited == "closing":
+                response = _FakeLLM._status_response(
+                    _Plan(status=503, body="the fake LLM server is shutting down")
+                )
+            elif plan.status != 200 or plan.body is not None:
+                response = _FakeLLM._status_response(plan)
+            else:
+                response = Response(
+                    orjson.dumps(_embeddings_payload(inputs, model, dimensions)),
+                    media_type="application/json",
+                )
+            status = response.status_code
+            return response
+        finally:
+            self._finish(record, status)
+
+
+def _embeddings_payload(inputs: list[str], model: str, dimensions: int) -> dict[str, Any]:
+    tokens = sum((len(text) + 3) // 4 for text in inputs)
+    return {
+        "object": "list",
+        "data": [
+            {"object": "embedding", "index": i, "embedding": embed_text(text, dimensions)}
+            for i, text in enumerate(inputs)
+        ],
+        "model": model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    }
 
 
 def create_app(config: FakeLLMConfig) -> ASGIApp:

@@ -17,6 +17,9 @@ import structlog
 from prometheus_client import Counter, Gauge, Histogram
 
 __all__ = [
+    "EMBEDDING_INPUTS",
+    "EMBEDDING_LATENCY",
+    "EMBEDDING_REQUESTS",
     "EVENT_LOOP_LAG",
     "LLM_IN_FLIGHT",
     "LLM_LATENCY",
@@ -65,6 +68,22 @@ LLM_TOKENS = Counter(
 LLM_RETRY_AFTER = Counter(
     "consolidation_llm_retry_after_honoured",
     "Retries whose delay came from the server's Retry-After header.",
+)
+EMBEDDING_REQUESTS = Counter(
+    "consolidation_embedding_requests",
+    "HTTP requests made to the embeddings endpoint, by outcome: ok, retry (a retried attempt), "
+    "transient (retries exhausted), config (misconfiguration), refused_input (a text the "
+    "server refused, left without a vector).",
+    ["outcome"],
+)
+EMBEDDING_INPUTS = Counter(
+    "consolidation_embedding_inputs",
+    "Texts embedded successfully (facts of passes and observations written).",
+)
+EMBEDDING_LATENCY = Histogram(
+    "consolidation_embedding_latency_seconds",
+    "Duration of one HTTP request to the embeddings endpoint, whatever its outcome.",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
 )
 OPERATIONS_RUNNING = Gauge(
     "consolidation_operations_running",

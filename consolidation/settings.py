@@ -73,6 +73,20 @@ class Settings(BaseSettings):
     llm_backoff_base_s: float = Field(default=0.5, ge=0)
     llm_backoff_max_s: float = Field(default=30.0, ge=0)
 
+    embeddings_base_url: str | None = Field(
+        default=None,
+        description="OpenAI-compatible base URL of an embeddings endpoint; unset: full-text "
+        "recall only.",
+    )
+    embeddings_model: str = "text-embedding-3-small"
+    embeddings_api_key: SecretStr | None = None
+    embeddings_dimensions: int | None = Field(
+        default=None,
+        ge=1,
+        le=16_000,
+        description="Vector dimension (sent as `dimensions`); unset: the endpoint's first answer.",
+    )
+
     group_parallelism: int = Field(default=8, ge=1, le=1024)
     wave_size: int = Field(default=200, ge=1, le=100_000)
     llm_batch_size: int = Field(default=8, ge=1, le=256)
@@ -116,7 +130,15 @@ class Settings(BaseSettings):
         return value.upper() if isinstance(value, str) else value
 
     @field_validator(
-        "database_url", "llm_base_url", "mission", "api_key", "llm_api_key", mode="before"
+        "database_url",
+        "llm_base_url",
+        "mission",
+        "api_key",
+        "llm_api_key",
+        "embeddings_base_url",
+        "embeddings_api_key",
+        "embeddings_dimensions",
+        mode="before",
     )
     @classmethod
     def _blank_is_unset(cls, value: object) -> object:
@@ -133,7 +155,7 @@ class Settings(BaseSettings):
             raise ValueError("the port must be a number from 0 to 65535") from None
         return value
 
-    @field_validator("llm_base_url")
+    @field_validator("llm_base_url", "embeddings_base_url")
     @classmethod
     def _http_url(cls, value: str | None) -> str | None:
         if value is not None and not value.startswith(("http://", "https://")):

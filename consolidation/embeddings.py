@@ -1,0 +1,460 @@
+"""The embeddings client: ``POST {base_url}/embeddings`` of an OpenAI-compatible server.
+
+Optional (``CONSOLIDATION_EMBEDDINGS_BASE_URL``): with it, recall ranks a scope's observations by
+full text *and* by cosine similarity to the pass's facts (docs/architecture.md, Recall). Works
+against OpenAI, vLLM, Ollama, Hugging Face TEI and llama.cpp's server: the request is
+``{"model", "input": [text…]}`` (plus ``dimensions`` when configured) and the answer's
+``data[i].embedding`` is read in ``data[i].index`` order.
+
+Faults follow the LLM's rules (DESIGN §2): transport trouble (timeouts, 408/425/429/5xx,
+connection errors, an answer that is not an embeddings list) is retried with backoff honouring
+``Retry-After`` and then fails the *operation* (:class:`EmbeddingsRetriesExhausted`, a
+TransientLLMError); 401/403/404/405, a redirect, a request the server refuses even for a probe
+text, or vectors of the wrong dimension fail it at once (:class:`EmbeddingsConfigError`, an
+LLMConfigError). Neither ever marks a memory failed. A text the server refuses on its own (too
+long for the model, most often) gets no vector, and recall simply ranks it by full text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.parse
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeGuard
+
+import aiohttp
+import orjson
+import structlog
+
+from consolidation import __version__
+from consolidation.errors import LLMConfigError, TransientLLMError
+from consolidation.llm import _excerpt, env_proxy, parse_retry_after, retry_delay
+from consolidation.metrics import EMBEDDING_INPUTS, EMBEDDING_LATENCY, EMBEDDING_REQUESTS
+from consolidation.settings import Settings
+
+__all__ = [
+    "Embedder",
+    "EmbeddingsConfigError",
+    "EmbeddingsRetriesExhausted",
+    "HTTPEmbedder",
+    "Vector",
+    "build_embedder",
+    "vector_literal",
+]
+
+log = structlog.get_logger(__name__)
+
+Vector = list[float]
+
+# pgvector's limit for the `vector` type.
+MAX_DIMENSIONS = 16_000
+# Inputs per HTTP request; a pass sends far fewer, this only bounds a pathological one.
+MAX_INPUTS_PER_REQUEST = 128
+# A text every embeddings server accepts: tells "this input is refused" from "every input is".
+PROBE_TEXT = "consolidation embeddings probe"
+
+_RETRYABLE_STATUSES = frozenset({408, 425, 429})
+_REFUSED_STATUSES = frozenset({400, 413, 422})
+_CONFIG_HINTS = {
+    401: "check CONSOLIDATION_EMBEDDINGS_API_KEY",
+    403: "check that CONSOLIDATION_EMBEDDINGS_API_KEY is allowed to use this model",
+    404: "check CONSOLIDATION_EMBEDDINGS_BASE_URL (usually ends in /v1) and "
+    "CONSOLIDATION_EMBEDDINGS_MODEL",
+    405: "check CONSOLIDATION_EMBEDDINGS_BASE_URL (usually ends in /v1)",
+}
+
+
+class EmbeddingsConfigError(LLMConfigError):
+    """The embeddings endpoint is misconfigured (auth, URL, model, dimensions): the operation
+    fails at once with this message, which names the setting to fix."""
+
+
+class EmbeddingsRetriesExhausted(TransientLLMError):
+    """Transport trouble outlasted every retry; ``attempts`` HTTP requests were made. The
+    operation fails and is retried later; no memory is marked failed."""
+
+    def __init__(self, message: str, attempts: int) -> None:
+        super().__init__(message)
+        self.attempts = attempts
+
+
+class Embedder(Protocol):
+    """Something that turns texts into unit-comparable vectors of one fixed dimension."""
+
+    @property
+    def dimensions(self) -> int | None:
+        """The vectors' dimension: configured, or learnt from the first answer (None before)."""
+        ...
+
+    async def embed(self, texts: Sequence[str]) -> list[Vector | None]:
+        """One vector per text, in order; None for a text the server refused on its own.
+
+        Raises EmbeddingsRetriesExhausted or EmbeddingsConfigError.
+        """
+        ...
+
+    async def aclose(self) -> None:
+        """Release connections; the instance is unusable afterwards."""
+        ...
+
+
+class _Retryable(Exception):
+    def __init__(self, reason: str, status: int | None = None, retry_after: float | None = None):
+        super().__init__(reason)
+        self.reason = reason
+        self.status = status
+        self.retry_after = retry_after
+
+
+class _Refused(Exception):
+    """The server refused the request's input (400/413/422)."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class _Reply:
+    status: int
+    reason: str
+    headers: Mapping[str, str]
+    body: bytes
+
+
+class HTTPEmbedder:
+    """Client for ``POST {base_url}/embeddings``; one instance per process, shared by every
+    operation (its ``max_concurrent`` caps the requests in flight).
+
+    ``dimensions`` (``CONSOLIDATION_EMBEDDINGS_DIMENSIONS``) is sent to the server, which
+    shortens its vectors where the model supports it (OpenAI's text-embedding-3); unset, the
+    dimension of the first answer is kept, and any later answer of another dimension is a
+    configuration error (the model behind the URL changed).
+    """
+
+    def __init__(
+        self,
+        *,
+        base_url: str,
+        model: str,
+        api_key: str | None = None,
+        dimensions: int | None = None,
+        timeout_s: float = 60.0,
+        max_retries: int = 4,
+        max_concurrent: int = 16,
+        backoff_base_s: float = 0.5,
+        backoff_max_s: float = 30.0,
+    ) -> None:
+        if max_concurrent < 1 or max_retries < 0 or timeout_s <= 0:
+            raise ValueError("need max_concurrent >= 1, max_retries >= 0 and timeout_s > 0")
+        if dimensions is not None and not 1 <= dimensions <= MAX_DIMENSIONS:
+            raise ValueError(f"dimensions must be between 1 and {MAX_DIMENSIONS}")
+        base = base_url.rstrip("/")
+        parts = urllib.parse.urlsplit(base)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise EmbeddingsConfigError(
+                f"embeddings base URL {base_url!r} is not an http(s) URL: set "
+                "CONSOLIDATION_EMBEDDINGS_BASE_URL to something like http://127.0.0.1:8000/v1"
+            )
+        self._url = f"{base}/embeddings"
+        self._proxy = env_proxy(self._url)
+        self._model = model
+        self._configured_dimensions = dimensions
+        self._dimensions = dimensions
+        self._timeout_s = timeout_s
+        self._max_retries = max_retries
+        self._backoff_base_s = backoff_base_s
+        self._backoff_max_s = backoff_max_s
+        self._max_concurrent = max_concurrent
+        self._semaphore = asyncio.Semaphore(max_concurrent)
+        self._probe_ok = False
+        self._headers = {
+            "accept": "application/json",
+            "content-type": "application/json",
+            "user-agent": f"consolidation/{__version__}",
+        }
+        if api_key:
+            self._headers["authorization"] = f"Bearer {api_key}"
+        self._session: aiohttp.ClientSession | None = None
+        self._closed = False
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    @property
+    def model(self) -> str:
+        return self._model
+
+    @property
+    def dimensions(self) -> int | None:
+        return self._dimensions
+
+    async def aclose(self) -> None:
+        """Close the connection pool."""
+        self._closed = True
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._closed:
+            raise RuntimeError("HTTPEmbedder is closed")
+        if self._session is None:
+            # Not trust_env, as the LLM client: the proxy is resolved once (env_proxy).
+            self._session = aiohttp.ClientSession(
+                headers=self._headers,
+                timeout=aiohttp.ClientTimeout(total=self._timeout_s),
+                connector=aiohttp.TCPConnector(limit=self._max_concurrent),
+            )
+        return self._session
+
+    async def embed(self, texts: Sequence[str]) -> list[Vector | None]:
+        """One vector per text (None for a text the server refused on its own), batched into
+        as few requests as possible. Cancelling the caller aborts the HTTP request."""
+        vectors: list[Vector | None] = []
+        for start in range(0, len(texts), MAX_INPUTS_PER_REQUEST):
+            chunk = list(texts[start : start + MAX_INPUTS_PER_REQUEST])
+            try:
+                vectors.extend(await self._request(chunk))
+            except _Refused as exc:
+                vectors.extend(await self._one_by_one(chunk, exc.detail))
+        return vectors
+
+    async def _one_by_one(self, texts: list[str], detail: str) -> list[Vector | None]:
+        """After a refusal: is it the request (configuration) or some of its texts?"""
+        await self._probe(detail)
+        if len(texts) == 1:
+            self._log_refused(texts[0], detail)
+            return [None]
+        out: list[Vector | None] = []
+        for text in texts:
+            try:
+                out.extend(await self._request([text]))
+            except _Refused as exc:
+                self._log_refused(text, exc.detail)
+                out.append(None)
+        return out
+
+    async def _probe(self, detail: str) -> None:
+        if self._probe_ok:
+            return
+        try:
+            await self._request([PROBE_TEXT])
+        except _Refused as exc:
+            hint = (
+                "; the server may not support `dimensions`: unset "
+                "CONSOLIDATION_EMBEDDINGS_DIMENSIONS"
+                if self._configured_dimensions is not None
+                else ""
+            )
+            raise EmbeddingsConfigError(
+                f"embeddings endpoint POST {self._url} refuses every request (model "
+                f"{self._model!r}): {exc.detail}; check CONSOLIDATION_EMBEDDINGS_MODEL{hint}"
+            ) from None
+        self._probe_ok = True
+        log.info("embeddings_probe_ok", url=self._url, refused=detail)
+
+    def _log_refused(self, text: str, detail: str) -> None:
+        EMBEDDING_REQUESTS.labels(outcome="refused_input").inc()
+        log.warning(
+            "embeddings_input_refused",
+            url=self._url,
+            chars=len(text),
+            detail=detail,
+            hint="this text gets no vector and is recalled by full text only; for long texts "
+            "let the server truncate (TEI --auto-truncate, vLLM --max-model-len, Ollama does)",
+        )
+
+    async def _request(self, texts: list[str]) -> list[Vector]:
+        """One logical request: retried on transport trouble, then EmbeddingsRetriesExhausted."""
+        body: dict[str, Any] = {"model": self._model, "input": texts}
+        if self._configured_dimensions is not None:
+            body["dimensions"] = self._configured_dimensions
+        payload = orjson.dumps(body)
+        failures = 0
+        while True:
+            try:
+                vectors = await self._attempt(payload, len(texts))
+            except _Retryable as exc:
+                if failures >= self._max_retries:
+                    EMBEDDING_REQUESTS.labels(outcome="transient").inc()
+                    attempts = failures + 1
+                    raise EmbeddingsRetriesExhausted(
+                        f"embeddings endpoint POST {self._url} still failing after {attempts} "
+                        f"attempt(s) (last: {exc.reason}): the operation will be retried later; "
+                        "check that the embeddings server is up, or raise "
+                        "CONSOLIDATION_LLM_TIMEOUT_S / CONSOLIDATION_LLM_MAX_RETRIES",
+                        attempts=attempts,
+                    ) from None
+                EMBEDDING_REQUESTS.labels(outcome="retry").inc()
+                delay, _ = retry_delay(
+                    failures,
+                    exc.retry_after,
+                    base_s=self._backoff_base_s,
+                    max_s=self._backoff_max_s,
+                )
+                failures += 1
+                log.warning(
+                    "embeddings_retry",
+                    url=self._url,
+                    status=exc.status,
+                    reason=exc.reason,
+                    retry=failures,
+                    max_retries=self._max_retries,
+                    delay_s=round(delay, 3),
+                    retry_after_s=exc.retry_after,
+                )
+                await asyncio.sleep(delay)
+            except EmbeddingsConfigError:
+                EMBEDDING_REQUESTS.labels(outcome="config").inc()
+                raise
+            else:
+                EMBEDDING_REQUESTS.labels(outcome="ok").inc()
+                EMBEDDING_INPUTS.inc(len(texts))
+                return vectors
+
+    async def _attempt(self, payload: bytes, count: int) -> list[Vector]:
+        async with self._semaphore:
+            started = time.perf_counter()
+            try:
+                async with self._client().post(
+                    self._url, data=payload, allow_redirects=False, proxy=self._proxy
+                ) as response:
+                    reply = _Reply(
+                        response.status,
+                        response.reason or "",
+                        response.headers,
+                        await response.read(),
+                    )
+            except TimeoutError as exc:
+                raise _Retryable(
+                    f"no answer within {self._timeout_s:g}s ({type(exc).__name__})"
+                ) from None
+            except aiohttp.ClientError as exc:
+                raise _Retryable(f"{type(exc).__name__}: {exc or 'connection failed'}") from None
+            finally:
+                EMBEDDING_LATENCY.observe(time.perf_counter() - started)
+        return self._interpret(reply, count)
+
+    def _interpret(self, reply: _Reply, count: int) -> list[Vector]:
+        status = reply.status
+        what = f"{status} {reply.reason}".strip()
+        text = reply.body.decode("utf-8", errors="replace")
+        if status in _RETRYABLE_STATUSES or status >= 500:
+            raise _Retryable(
+                f"HTTP {what}",
+                status=status,
+                retry_after=parse_retry_after(reply.headers.get("retry-after")),
+            )
+        if status in _CONFIG_HINTS:
+            raise EmbeddingsConfigError(
+                f"embeddings endpoint answered {what} for POST {self._url} (model "
+                f"{self._model!r}): {_CONFIG_HINTS[status]}"
+            )
+        if 300 <= status < 400:
+            raise EmbeddingsConfigError(
+                f"embeddings endpoint answered {what} for POST {self._url}, redirecting to "
+                f"{reply.headers.get('location')!r}: set CONSOLIDATION_EMBEDDINGS_BASE_URL to "
+                "the final URL"
+            )
+        if status in _REFUSED_STATUSES:
+            raise _Refused(f"HTTP {what}: {_excerpt(text)!r}")
+        if status >= 400 or status < 200:
+            raise _Retryable(f"HTTP {what}: {_excerpt(text)!r}", status=status)
+        return self._vectors(reply.body, text, count)
+
+    def _vectors(self, body: bytes, text: str, count: int) -> list[Vector]:
+        try:
+            data = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            data = None
+        items = data.get("data") if isinstance(data, dict) else None
+        if not isinstance(items, list) or len(items) != count:
+            # A gateway's error page or a half-written answer: the endpoint's fault, retried.
+            raise _Retryable(
+                f"answer is not an embeddings list of {count} item(s): {_excerpt(text)!r}"
+            )
+        ordered: list[Vector | None] = [None] * count
+        for position, item in enumerate(items):
+            index = item.get("index", position) if isinstance(item, dict) else None
+            vector = item.get("embedding") if isinstance(item, dict) else None
+            if (
+                not isinstance(index, int)
+                or not 0 <= index < count
+                or ordered[index] is not None
+                or not _is_vector(vector)
+            ):
+                raise _Retryable(
+                    f"answer item {position} is not {{index, embedding: [number…]}}: "
+                    f"{_excerpt(orjson.dumps(item).decode())!r}"
+                )
+            ordered[index] = [float(x) for x in vector]
+        vectors = [v for v in ordered if v is not None]
+        self._check_dimensions(len(vectors[0]) if vectors else 0, vectors)
+        return vectors
+
+    def _check_dimensions(self, first: int, vectors: list[Vector]) -> None:
+        sizes = {len(v) for v in vectors}
+        if len(sizes) > 1:
+            raise EmbeddingsConfigError(
+                f"embeddings endpoint POST {self._url} answered vectors of several dimensions "
+                f"({sorted(sizes)}) in one response: check CONSOLIDATION_EMBEDDINGS_MODEL"
+            )
+        if self._dimensions is None:
+            if not 1 <= first <= MAX_DIMENSIONS:
+                raise EmbeddingsConfigError(
+                    f"embeddings endpoint POST {self._url} answered {first}-dimensional vectors; "
+                    f"need 1 to {MAX_DIMENSIONS}: set CONSOLIDATION_EMBEDDINGS_DIMENSIONS"
+                )
+            self._dimensions = first
+            log.info("embeddings_dimensions", url=self._url, model=self._model, dimensions=first)
+            return
+        if first != self._dimensions:
+            source = (
+                "CONSOLIDATION_EMBEDDINGS_DIMENSIONS"
+                if self._configured_dimensions is not None
+                else "the endpoint's first answer"
+            )
+            raise EmbeddingsConfigError(
+                f"embeddings endpoint POST {self._url} answered {first}-dimensional vectors, "
+                f"expected {self._dimensions} ({source}): the model behind "
+                "CONSOLIDATION_EMBEDDINGS_BASE_URL changed, or CONSOLIDATION_EMBEDDINGS_MODEL / "
+                "CONSOLIDATION_EMBEDDINGS_DIMENSIONS disagree with it"
+            )
+
+
+def _is_vector(value: object) -> TypeGuard[list[float]]:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(x, int | float) and not isinstance(x, bool) for x in value)
+    )
+
+
+def vector_literal(vector: Sequence[float]) -> str:
+    """pgvector's text form of a vector (``[x,y,…]``), which is also its JSON form."""
+    return orjson.dumps(list(vector)).decode()
+
+
+def build_embedder(settings: Settings) -> HTTPEmbedder | None:
+    """The embeddings client when ``CONSOLIDATION_EMBEDDINGS_BASE_URL`` is set, else None.
+
+    Timeouts, retries, backoff and concurrency are the LLM's settings: one endpoint policy.
+    """
+    if settings.embeddings_base_url is None:
+        return None
+    key = settings.embeddings_api_key
+    return HTTPEmbedder(
+        base_url=settings.embeddings_base_url,
+        model=settings.embeddings_model,
+        api_key=key.get_secret_value() if key else None,
+        dimensions=settings.embeddings_dimensions,
+        timeout_s=settings.llm_timeout_s,
+        max_retries=settings.llm_max_retries,
+        max_concurrent=settings.llm_max_concurrent,
+        backoff_base_s=settings.llm_backoff_base_s,
+        backoff_max_s=settings.llm_backoff_max_s,
+    )
