@@ -5,6 +5,8 @@ python -m bench all --quick    # smaller banks, fewer repeats (a few minutes)
 python -m bench efficiency|lag|throughput|rss|profile [--quick]
 python -m bench plan           # ideal times of several bank shapes, no database
 python -m bench generate N > bank.jsonl   # a bank for `consolidation ingest`
+python -m bench recall         # recall quality: full text vs hybrid, all-MiniLM-L6-v2 on CPU
+python -m bench minilm [--check | --port N]   # that model behind /v1/embeddings
 """
 
 from __future__ import annotations
@@ -120,6 +122,32 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_recall(args: argparse.Namespace) -> int:
+    from bench import recall, recall_data
+
+    if args.regenerate:
+        print(f"wrote {recall_data.write()}")
+    results = asyncio.run(recall.run(args.database_url, _log))
+    results["command"] = "python -m bench " + shlex.join(sys.argv[1:])
+    results["machine"] = {"loadavg_end": [round(x, 2) for x in os.getloadavg()]}
+    path = _save(results, args.results_dir, "recall")
+    print(recall.render(results))
+    print(f"\ntargets met: {results['targets_met']} {results['targets']}")
+    print(f"JSON: {path}")
+    return 0
+
+
+def cmd_minilm(args: argparse.Namespace) -> int:
+    from bench import minilm
+
+    if args.check:
+        result = minilm.check()
+        print(orjson.dumps(result, option=orjson.OPT_INDENT_2).decode())
+        return 0 if result["ok"] else 1
+    minilm.serve(args.host, args.port)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -179,6 +207,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zipf", type=float, default=0.8)
     p.add_argument("--seed", type=int, default=BankShape(memories=0).seed)
     p.set_defaults(handler=cmd_generate)
+    p = sub.add_parser("recall", help="recall quality: full text vs hybrid (real model on CPU)")
+    p.add_argument(
+        "--database-url",
+        default=os.environ.get("BENCH_DATABASE_URL", DEFAULT_URL),
+        help="a Postgres server (with pgvector, else the embedded one is used)",
+    )
+    p.add_argument("--results-dir", type=Path, default=RESULTS)
+    p.add_argument(
+        "--regenerate", action="store_true", help="first rewrite bench/data/recall_cases.json"
+    )
+    p.set_defaults(handler=cmd_recall)
+    p = sub.add_parser("minilm", help="all-MiniLM-L6-v2 (numpy) behind /v1/embeddings")
+    p.add_argument("--check", action="store_true", help="compare with the reference similarities")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8088)
+    p.set_defaults(handler=cmd_minilm)
     return parser
 
 

@@ -290,17 +290,33 @@ RECALL = (
 )
 
 
+# With embeddings: full text and cosine similarity to the facts' vectors, fused by reciprocal
+# rank (consolidation/sql/consolidation_recall_hybrid_v1.sql).
+RECALL_HYBRID = (
+    "SELECT obs_id, obs_text, obs_updated_at, obs_sources"
+    " FROM consolidation_recall_hybrid_v1($1, $2, $3, $4, $5)"
+)
+
+
 async def recall(
     conn: asyncpg.Connection | asyncpg.Pool,
     bank_id: str,
     scope: Scope,
     fact_texts: Sequence[str],
     limit: int,
+    fact_vectors: Sequence[str | None] | None = None,
 ) -> list[RecalledObservation]:
-    """The observations of one scope a pass should see (DESIGN §2, Recall)."""
+    """The observations of one scope a pass should see (DESIGN §2, Recall). ``fact_vectors``
+    (pgvector text form, None for a fact without one) switches to hybrid ranking; None keeps
+    the full-text recall."""
     if limit <= 0:
         return []
-    rows = await conn.fetch(RECALL, bank_id, scope, limit, "\n".join(fact_texts))
+    if fact_vectors is None:
+        rows = await conn.fetch(RECALL, bank_id, scope, limit, "\n".join(fact_texts))
+    else:
+        rows = await conn.fetch(
+            RECALL_HYBRID, bank_id, scope, limit, list(fact_texts), list(fact_vectors)
+        )
     return _recalled(rows)
 
 

@@ -2,6 +2,10 @@
 
 The server comes from TEST_DATABASE_URL when set, else a testcontainers Postgres when a Docker
 engine answers, else the embedded Postgres (pgserver). Tests never skip for want of a database.
+
+Tests that need pgvector (embeddings) use ``vector_database_url``: the TEST_DATABASE_URL server
+when it has pgvector, else the embedded Postgres (PostgreSQL 18 with pgvector, a dependency of
+the package), started once per session only when such a test runs, with its own template.
 """
 
 from __future__ import annotations
@@ -100,6 +104,68 @@ async def empty_database_url(pg_admin_url: str) -> AsyncIterator[str]:
 @pytest.fixture
 async def pool(database_url: str) -> AsyncIterator[asyncpg.Pool]:
     p = await db.create_pool(database_url, min_size=1, max_size=10)
+    yield p
+    await p.close()
+
+
+async def _has_pgvector(url: str) -> bool:
+    conn = await asyncpg.connect(url)
+    try:
+        return bool(
+            await conn.fetchval(
+                "SELECT EXISTS (SELECT 1 FROM pg_available_extensions WHERE name = 'vector')"
+            )
+        )
+    finally:
+        await conn.close()
+
+
+@pytest.fixture(scope="session")
+def vector_admin_url(pg_admin_url: str) -> Iterator[str]:
+    """A Postgres server with pgvector where tests may create databases: the main test server
+    when it has the extension, else the embedded one (never a skip)."""
+    import asyncio
+
+    if asyncio.run(_has_pgvector(pg_admin_url)):
+        yield pg_admin_url
+        return
+    import pgserver
+
+    with tempfile.TemporaryDirectory(prefix="consolidation-vector-tests-") as tmp:
+        server = pgserver.get_server(tmp, cleanup_mode="stop")
+        print(f"\n[tests] pgvector server: embedded Postgres in {tmp}")
+        try:
+            yield server.get_uri()
+        finally:
+            server.cleanup()
+
+
+@pytest.fixture(scope="session")
+def vector_template_name(vector_admin_url: str) -> Iterator[str]:
+    """A database migrated to head on the pgvector server (so it has the embedding columns)."""
+    import asyncio
+
+    name = f"consolidation_vtpl_{os.getpid()}_{uuid.uuid4().hex[:6]}"
+    asyncio.run(_admin(vector_admin_url, f'CREATE DATABASE "{name}"'))
+    db.migrate_sync(_with_database(vector_admin_url, name))
+    yield name
+    asyncio.run(_admin(vector_admin_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+@pytest.fixture
+async def vector_database_url(
+    vector_admin_url: str, vector_template_name: str
+) -> AsyncIterator[str]:
+    """A fresh, migrated database with pgvector for this test alone."""
+    name = f"consolidation_v_{uuid.uuid4().hex[:12]}"
+    await _admin(vector_admin_url, f'CREATE DATABASE "{name}" TEMPLATE "{vector_template_name}"')
+    yield _with_database(vector_admin_url, name)
+    await _admin(vector_admin_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+async def vector_pool(vector_database_url: str) -> AsyncIterator[asyncpg.Pool]:
+    p = await db.create_pool(vector_database_url, min_size=1, max_size=10)
     yield p
     await p.close()
 
