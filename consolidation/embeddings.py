@@ -22,14 +22,17 @@ import time
 import urllib.parse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from importlib import resources
 from typing import Any, Protocol, TypeGuard
 
 import aiohttp
+import asyncpg
 import orjson
 import structlog
 
 from consolidation import __version__
-from consolidation.errors import LLMConfigError, TransientLLMError
+from consolidation.db import MIGRATION_LOCK_KEY
+from consolidation.errors import ConfigError, LLMConfigError, TransientLLMError
 from consolidation.llm import _excerpt, env_proxy, parse_retry_after, retry_delay
 from consolidation.metrics import EMBEDDING_INPUTS, EMBEDDING_LATENCY, EMBEDDING_REQUESTS
 from consolidation.settings import Settings
@@ -41,6 +44,7 @@ __all__ = [
     "HTTPEmbedder",
     "Vector",
     "build_embedder",
+    "require_vector_storage",
     "vector_literal",
 ]
 
@@ -457,4 +461,42 @@ def build_embedder(settings: Settings) -> HTTPEmbedder | None:
         max_concurrent=settings.llm_max_concurrent,
         backoff_base_s=settings.llm_backoff_base_s,
         backoff_max_s=settings.llm_backoff_max_s,
+    )
+
+
+EMBEDDING_COLUMNS = """
+SELECT count(*) = 2 FROM information_schema.columns
+WHERE table_schema = current_schema() AND table_name = 'observations'
+  AND column_name IN ('embedding', 'embedding_version')
+"""
+PGVECTOR_AVAILABLE = "SELECT EXISTS (SELECT 1 FROM pg_available_extensions WHERE name = 'vector')"
+
+
+def embeddings_schema_sql() -> str:
+    """The idempotent SQL that creates the embedding columns where pgvector is (migration 0005
+    runs it too)."""
+    return resources.files("consolidation").joinpath("sql", "embeddings_schema.sql").read_text()
+
+
+async def require_vector_storage(conn: asyncpg.Connection) -> None:
+    """With embeddings configured: make sure observations can store vectors, creating the
+    pgvector extension and the columns if the server gained pgvector after the migration
+    (under the migration lock, as migrations). Raises ConfigError, in one line, if it cannot."""
+    await conn.execute("SELECT pg_advisory_lock($1)", MIGRATION_LOCK_KEY)
+    try:
+        await conn.execute(embeddings_schema_sql())
+    finally:
+        await conn.execute("SELECT pg_advisory_unlock($1)", MIGRATION_LOCK_KEY)
+    if await conn.fetchval(EMBEDDING_COLUMNS):
+        return
+    if await conn.fetchval(PGVECTOR_AVAILABLE):
+        raise ConfigError(
+            "CONSOLIDATION_EMBEDDINGS_BASE_URL is set but this role may not create the pgvector "
+            "extension: run CREATE EXTENSION vector as a superuser, or unset "
+            "CONSOLIDATION_EMBEDDINGS_BASE_URL"
+        )
+    raise ConfigError(
+        "CONSOLIDATION_EMBEDDINGS_BASE_URL is set but the database server has no pgvector "
+        "extension: install pgvector (e.g. the pgvector/pgvector Postgres image) or unset "
+        "CONSOLIDATION_EMBEDDINGS_BASE_URL"
     )

@@ -28,10 +28,10 @@ _SYNONYMS: tuple[tuple[str, ...], ...] = (
     ("coffee", "espresso", "latte", "cappuccino", "americano", "flat white"),
     ("live", "reside", "dwell", "based", "home", "stay"),
     ("move", "relocate", "moved", "relocated", "emigrate"),
-    ("work", "employ", "job", "employer", "career", "position"),
+    ("work", "employ", "job", "employer", "career", "position", "office", "workplace"),
     ("buy", "purchase", "acquire", "bought", "order"),
     ("car", "vehicle", "automobile", "sedan", "suv", "hatchback"),
-    ("bike", "bicycle", "cycling", "cycle"),
+    ("bike", "bicycle", "cycling", "cycle", "ride"),
     ("run", "jog", "jogging", "running", "marathon"),
     ("dog", "puppy", "hound", "canine", "labrador", "terrier"),
     ("cat", "kitten", "feline", "tabby"),
@@ -55,7 +55,8 @@ _SYNONYMS: tuple[tuple[str, ...], ...] = (
     ("partner", "wife", "husband", "spouse", "girlfriend", "boyfriend"),
     ("house", "flat", "apartment", "home", "condo"),
     ("travel", "trip", "journey", "holiday", "vacation", "visit"),
-    ("plane", "flight", "fly", "airline"),
+    ("plane", "flight", "fly", "flying", "airline"),
+    ("afraid", "anxious", "scared", "fear", "nervous", "panic"),
     ("sport", "football", "soccer", "tennis", "basketball", "rugby"),
     ("study", "learn", "course", "class", "lesson", "student"),
     ("program", "code", "coding", "software", "develop", "developer"),
@@ -96,7 +97,15 @@ def _stem(word: str) -> str:
 
 
 def _concept(word: str) -> str | None:
-    return CONCEPTS.get(word) or CONCEPTS.get(_stem(word))
+    """The concept of ``word`` or of an inflection's base ("cycles" → "cycle" → bike)."""
+    for suffix in ("", "s", "es", "d", "ed", "ing"):
+        if suffix and not word.endswith(suffix):
+            continue
+        base = word[: len(word) - len(suffix)]
+        for candidate in (base, base + "e"):
+            if candidate in CONCEPTS:
+                return CONCEPTS[candidate]
+    return None
 
 
 def _features(text: str) -> list[tuple[str, float]]:

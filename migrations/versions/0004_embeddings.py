@@ -34,6 +34,7 @@ def _sql(name: str) -> str:
 
 
 def upgrade() -> None:
+    # The same file consolidation.embeddings.require_vector_storage runs at start-up.
     op.execute(_sql("embeddings_schema.sql"))
     op.execute(_sql("consolidation_recall_hybrid_v1.sql"))
 
