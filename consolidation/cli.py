@@ -180,6 +180,7 @@ async def _replay(settings: Settings, bank: str, reset: bool, bar: ProgressBar) 
                 settings,
                 stop=stop,
                 on_progress=bar.update,
+                embedder=rt.embedder,
             )
         finally:
             loop.remove_signal_handler(signal.SIGINT)

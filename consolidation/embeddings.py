@@ -22,7 +22,6 @@ import time
 import urllib.parse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from importlib import resources
 from typing import Any, Protocol, TypeGuard
 
 import aiohttp
@@ -30,7 +29,7 @@ import asyncpg
 import orjson
 import structlog
 
-from consolidation import __version__
+from consolidation import __version__, sql
 from consolidation.db import MIGRATION_LOCK_KEY
 from consolidation.errors import ConfigError, LLMConfigError, TransientLLMError
 from consolidation.llm import _excerpt, env_proxy, parse_retry_after, retry_delay
@@ -472,19 +471,14 @@ WHERE table_schema = current_schema() AND table_name = 'observations'
 PGVECTOR_AVAILABLE = "SELECT EXISTS (SELECT 1 FROM pg_available_extensions WHERE name = 'vector')"
 
 
-def embeddings_schema_sql() -> str:
-    """The idempotent SQL that creates the embedding columns where pgvector is (migration 0005
-    runs it too)."""
-    return resources.files("consolidation").joinpath("sql", "embeddings_schema.sql").read_text()
-
-
 async def require_vector_storage(conn: asyncpg.Connection) -> None:
     """With embeddings configured: make sure observations can store vectors, creating the
     pgvector extension and the columns if the server gained pgvector after the migration
     (under the migration lock, as migrations). Raises ConfigError, in one line, if it cannot."""
     await conn.execute("SELECT pg_advisory_lock($1)", MIGRATION_LOCK_KEY)
     try:
-        await conn.execute(embeddings_schema_sql())
+        # The SQL migration 0005 runs; idempotent.
+        await conn.execute(sql.read("embeddings_schema"))
     finally:
         await conn.execute("SELECT pg_advisory_unlock($1)", MIGRATION_LOCK_KEY)
     if await conn.fetchval(EMBEDDING_COLUMNS):

@@ -13,13 +13,14 @@ import uuid
 from asyncio import FIRST_COMPLETED
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import asyncpg
 import structlog
 
 from consolidation import db, metrics, queue, store
+from consolidation.embeddings import Embedder, vector_literal
 from consolidation.errors import (
     InvalidLLMOutput,
     LeaseLost,
@@ -196,10 +197,15 @@ class OperationRun:
         settings: Settings,
         stop: StopSignal,
         on_progress: ProgressCallback | None = None,
+        embedder: Embedder | None = None,
     ) -> None:
         self.pool = pool
         self.lease = lease
         self.llm = llm
+        self.embedder = embedder
+        # Vectors of the wave's texts (pgvector text form; None: refused by the endpoint), so a
+        # fact is embedded once per wave however many passes recall by it.
+        self._vectors: dict[str, str | None] = {}
         self.settings = settings
         self.stop = stop
         self.on_progress = on_progress
@@ -430,6 +436,7 @@ class OperationRun:
             recovered=recovered,
             seconds=round(time.monotonic() - started, 4),
         )
+        self._vectors.clear()
         if await queue.record_progress(self.pool, self.lease, self.summary.progress()):
             self.stop.set(StopReason.CANCEL)
         self._report()
@@ -508,6 +515,21 @@ class OperationRun:
         texts = tuple(m.memory.text for m in step.members)
         return store.RecallRequest(step.scope, texts, self.settings.recall_limit)
 
+    async def _embed(self, texts: Sequence[str], perf: PerfLog) -> tuple[str | None, ...]:
+        """The vectors of ``texts``; those not embedded yet in this wave in ONE request."""
+        assert self.embedder is not None
+        missing = list(dict.fromkeys(t for t in texts if t not in self._vectors))
+        if missing:
+            started = time.monotonic()
+            perf.embedding_requests += 1
+            try:
+                vectors = await self.embedder.embed(missing)
+            finally:
+                perf.embedding_s += time.monotonic() - started
+            for text, vector in zip(missing, vectors, strict=True):
+                self._vectors[text] = None if vector is None else vector_literal(vector)
+        return tuple(self._vectors[t] for t in texts)
+
     async def _run_pass(
         self,
         step: Pass[_MemoryState],
@@ -517,13 +539,24 @@ class OperationRun:
     ) -> RecallAhead | None:
         """Recall (unless the previous apply brought it), ask the LLM (one retry on an unusable
         answer), apply in one transaction — fetching ``upcoming``'s recall on the way, which is
-        returned for it."""
+        returned for it.
+
+        With embeddings, the vectors of this pass's written observations and of ``upcoming``'s
+        facts are fetched in one request between the answer and the apply, so a pass whose
+        recall rode on the previous apply makes one embeddings request in all."""
         wanted = self._recall_request(step)
+        if self.embedder is not None:
+            wanted = replace(wanted, fact_vectors=await self._embed(wanted.fact_texts, perf))
         recalled = ahead.serves(wanted) if ahead is not None else None
         if recalled is None:
             started = time.monotonic()
             recalled = await store.recall(
-                self.pool, self.lease.bank_id, step.scope, wanted.fact_texts, wanted.limit
+                self.pool,
+                self.lease.bank_id,
+                step.scope,
+                wanted.fact_texts,
+                wanted.limit,
+                wanted.fact_vectors,
             )
             perf.recall_s += time.monotonic() - started
         request = build_request(
@@ -542,9 +575,17 @@ class OperationRun:
             try:
                 answer = await self._ask(request, chat, perf)
                 write = _pass_write(self.lease, step, answer)
+                if self.embedder is not None:
+                    write, upcoming_recall = await self._with_vectors(write, upcoming_recall, perf)
                 started = time.monotonic()
                 try:
-                    fetched = await store.apply_pass(self.pool, self.lease, write, upcoming_recall)
+                    fetched = await store.apply_pass(
+                        self.pool,
+                        self.lease,
+                        write,
+                        upcoming_recall,
+                        embeddings=self.embedder is not None,
+                    )
                 except store.StaleObservation as exc:
                     raise InvalidLLMOutput(str(exc)) from exc
                 finally:
@@ -568,6 +609,22 @@ class OperationRun:
                 return None
             return RecallAhead(upcoming_recall, fetched)
         raise AssertionError("unreachable")
+
+    async def _with_vectors(
+        self, write: store.PassWrite, upcoming: store.RecallRequest | None, perf: PerfLog
+    ) -> tuple[store.PassWrite, store.RecallRequest | None]:
+        """``write`` with the vectors of its observations' texts and ``upcoming`` with those of
+        its facts: one embeddings request."""
+        texts = [w.text for w in write.observations]
+        following = upcoming.fact_texts if upcoming is not None else ()
+        vectors = await self._embed([*texts, *following], perf)
+        observations = tuple(
+            replace(w, embedding=v)
+            for w, v in zip(write.observations, vectors[: len(texts)], strict=True)
+        )
+        if upcoming is not None:
+            upcoming = replace(upcoming, fact_vectors=vectors[len(texts) :])
+        return replace(write, observations=observations), upcoming
 
     async def _ask(self, request: PassRequest, chat: Chat, perf: PerfLog) -> PassPlan:
         started = time.monotonic()
@@ -666,15 +723,18 @@ async def run_operation(
     *,
     stop: StopSignal | None = None,
     on_progress: ProgressCallback | None = None,
+    embedder: Embedder | None = None,
 ) -> OperationEnd:
     """Run one claimed attempt to its end and record the final status (shielded, fenced).
 
     completed → ``completed``; cancel → ``cancelled``; shutdown → back to ``pending`` without
     spending an attempt; LLM configuration error → ``failed`` at once; other errors → back to
     ``pending`` with backoff until ``max_attempts``, then ``failed``; lost lease → no write.
+    With an ``embedder``, recall is hybrid and observations are stored with their vectors (the
+    database must have them: embeddings.require_vector_storage); its faults are the LLM's.
     """
     stop = stop or StopSignal()
-    run = OperationRun(pool, lease, llm, settings, stop, on_progress)
+    run = OperationRun(pool, lease, llm, settings, stop, on_progress, embedder)
     bound = log.bind(operation_id=str(lease.operation_id), bank_id=lease.bank_id)
     bound.info("operation_started", attempt=lease.attempt, scope_filter=lease.scope_filter)
     inner = asyncio.create_task(run.run(), name=f"operation-{lease.operation_id}")

@@ -28,6 +28,8 @@ class PerfLog:
     recall_s: float = 0.0
     llm_s: float = 0.0
     apply_s: float = 0.0
+    embedding_requests: int = 0  # to the embeddings endpoint (0 unless embeddings are configured)
+    embedding_s: float = 0.0
     created: int = 0
     updated: int = 0
     merged: int = 0

@@ -17,6 +17,7 @@ import asyncpg
 import structlog
 
 from consolidation import db
+from consolidation.embeddings import Embedder, build_embedder, require_vector_storage
 from consolidation.errors import ConfigError
 from consolidation.llm import Consolidator, HTTPConsolidator, OfflineConsolidator
 from consolidation.settings import Settings
@@ -110,13 +111,15 @@ class Runtime:
     llm: Consolidator
     worker_id: str
     timeouts: db.Timeouts
+    embedder: Embedder | None = None  # set with CONSOLIDATION_EMBEDDINGS_BASE_URL
 
 
 @asynccontextmanager
 async def open_runtime(
     settings: Settings, *, pool_size: int | None = None, kind: str = "worker"
 ) -> AsyncIterator[Runtime]:
-    """Database (migrated) and LLM client, closed in reverse order on exit.
+    """Database (migrated), LLM client and embeddings client (when configured, once the database
+    can store vectors), closed in reverse order on exit.
 
     The pool's sessions are named after this process's worker id (``kind:host:pid``), the same
     id its leases carry, so a stalled process can be fenced by ending its sessions. Every
@@ -134,7 +137,12 @@ async def open_runtime(
         stack.push_async_callback(_close_pool, pool)
         llm = build_consolidator(settings)
         stack.push_async_callback(llm.aclose)
-        yield Runtime(settings, url, pool, llm, worker_id, timeouts)
+        embedder = build_embedder(settings)
+        if embedder is not None:
+            stack.push_async_callback(embedder.aclose)
+            async with pool.acquire() as conn:
+                await require_vector_storage(conn)
+        yield Runtime(settings, url, pool, llm, worker_id, timeouts, embedder)
 
 
 async def _close_pool(pool: asyncpg.Pool) -> None:

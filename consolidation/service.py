@@ -85,7 +85,14 @@ async def serve(settings: Settings, *, api: bool = True, worker: bool = True) ->
         await stack.enter_async_context(EventLoopLagMonitor())
         the_worker = None
         if worker:
-            the_worker = Worker(settings, rt.pool, rt.database_url, rt.llm, worker_id=rt.worker_id)
+            the_worker = Worker(
+                settings,
+                rt.pool,
+                rt.database_url,
+                rt.llm,
+                worker_id=rt.worker_id,
+                embedder=rt.embedder,
+            )
             tasks.append(asyncio.create_task(the_worker.run(shutdown), name="worker"))
         if sock is not None:
             from consolidation.api import create_app

@@ -326,11 +326,13 @@ def _recalled(rows: Sequence[asyncpg.Record]) -> list[RecalledObservation]:
 
 @dataclass(frozen=True)
 class RecallRequest:
-    """What a pass recalls by: its scope and its facts' texts (DESIGN §2, Recall)."""
+    """What a pass recalls by: its scope and its facts' texts (DESIGN §2, Recall), and with
+    embeddings their vectors (pgvector text form, None for a text the endpoint refused)."""
 
     scope: Scope
     fact_texts: tuple[str, ...]
     limit: int
+    fact_vectors: tuple[str | None, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -342,6 +344,7 @@ class ObservationWrite:
     text: str
     memory_ids: tuple[uuid.UUID, ...]
     create: bool
+    embedding: str | None = None  # the vector of ``text`` (pgvector text form), with embeddings
 
 
 @dataclass(frozen=True)
@@ -372,15 +375,28 @@ APPLY_PASS = (
     "SELECT obs_id, obs_text, obs_updated_at, obs_sources"
     " FROM consolidation_apply_pass_v1($1::jsonb, $2, $3, $4)"
 )
+# With embeddings (consolidation_apply_pass_v2.sql): the same writes, each observation written
+# with the vector of its text, and the next pass's recall hybrid.
+APPLY_PASS_HYBRID = (
+    "SELECT obs_id, obs_text, obs_updated_at, obs_sources"
+    " FROM consolidation_apply_pass_v2($1::jsonb, $2, $3, $4, $5)"
+)
 FENCE_LOST = "CN001"
 NOT_IN_SCOPE = "CN002"
 
 
 async def apply_pass(
-    pool: asyncpg.Pool, lease: Lease, write: PassWrite, recall_next: RecallRequest | None = None
+    pool: asyncpg.Pool,
+    lease: Lease,
+    write: PassWrite,
+    recall_next: RecallRequest | None = None,
+    *,
+    embeddings: bool = False,
 ) -> list[RecalledObservation] | None:
     """Apply one pass in ONE transaction that first checks the operation's fence; with
-    ``recall_next``, also return that recall as it stands after this pass's writes.
+    ``recall_next``, also return that recall as it stands after this pass's writes. With
+    ``embeddings``, the observations are stored with their ``embedding`` and the recall is the
+    hybrid one (by ``recall_next.fact_vectors``).
 
     Raises LeaseLost (nothing written) or StaleObservation (nothing written).
     """
@@ -390,19 +406,29 @@ async def apply_pass(
         "attempt": lease.attempt,
         "bank_id": write.bank_id,
         "scope": write.scope,
-        "creates": [_observation_json(w) for w in write.observations if w.create],
-        "changes": [_observation_json(w) for w in write.observations if not w.create],
+        "creates": [_observation_json(w, embeddings) for w in write.observations if w.create],
+        "changes": [_observation_json(w, embeddings) for w in write.observations if not w.create],
         "outcomes": [
             {"memory_id": o.memory_id, "action": o.action, "observation_ids": o.observation_ids}
             for o in write.outcomes
         ],
     }
-    if recall_next is None or recall_next.limit <= 0:
-        args: tuple[Any, ...] = (None, 0, None)
+    args: tuple[Any, ...]
+    if embeddings:
+        statement = APPLY_PASS_HYBRID
+        if recall_next is None or recall_next.limit <= 0:
+            args = (None, 0, None, None)
+        else:
+            vectors = recall_next.fact_vectors or (None,) * len(recall_next.fact_texts)
+            args = (recall_next.scope, recall_next.limit, recall_next.fact_texts, vectors)
     else:
-        args = (recall_next.scope, recall_next.limit, "\n".join(recall_next.fact_texts))
+        statement = APPLY_PASS
+        if recall_next is None or recall_next.limit <= 0:
+            args = (None, 0, None)
+        else:
+            args = (recall_next.scope, recall_next.limit, "\n".join(recall_next.fact_texts))
     try:
-        rows = await pool.fetch(APPLY_PASS, payload, *args)
+        rows = await pool.fetch(statement, payload, *args)
     except asyncpg.PostgresError as exc:
         if exc.sqlstate == FENCE_LOST:
             raise LeaseLost(str(exc)) from None
@@ -414,8 +440,11 @@ async def apply_pass(
     return _recalled(rows)
 
 
-def _observation_json(write: ObservationWrite) -> dict[str, Any]:
-    return {"ids": write.ids, "text": write.text, "memory_ids": write.memory_ids}
+def _observation_json(write: ObservationWrite, embeddings: bool) -> dict[str, Any]:
+    item: dict[str, Any] = {"ids": write.ids, "text": write.text, "memory_ids": write.memory_ids}
+    if embeddings:
+        item["embedding"] = write.embedding
+    return item
 
 
 JOURNAL_OF = """

@@ -20,6 +20,7 @@ import asyncpg
 import structlog
 
 from consolidation import db, metrics, queue
+from consolidation.embeddings import Embedder
 from consolidation.engine import OperationEnd, StopReason, StopSignal, run_operation
 from consolidation.llm import Consolidator
 from consolidation.settings import Settings
@@ -50,11 +51,13 @@ class Worker:
         llm: Consolidator,
         *,
         worker_id: str,
+        embedder: Embedder | None = None,
     ) -> None:
         self.settings = settings
         self.pool = pool
         self.database_url = database_url
         self.llm = llm
+        self.embedder = embedder
         self.worker_id = worker_id
         self.slots: dict[uuid.UUID, _Slot] = {}
         self._wake = asyncio.Event()
@@ -186,7 +189,9 @@ class Worker:
     def _start(self, lease: queue.Lease) -> None:
         stop = StopSignal()
         task = asyncio.create_task(
-            run_operation(self.pool, lease, self.llm, self.settings, stop=stop),
+            run_operation(
+                self.pool, lease, self.llm, self.settings, stop=stop, embedder=self.embedder
+            ),
             name=f"slot-{lease.operation_id}",
         )
         self.slots[lease.operation_id] = _Slot(lease, stop, task)
