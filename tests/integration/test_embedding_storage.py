@@ -13,6 +13,9 @@ from consolidation import db, store
 from consolidation.embeddings import PGVECTOR_AVAILABLE, require_vector_storage, vector_literal
 from consolidation.errors import ConfigError
 from consolidation.fake_embeddings import embed_text
+from consolidation.fake_llm import FakeLLMServer
+from tests.integration.engine_helpers import ingest
+from tests.integration.test_replay_process import start_replay
 
 COLUMNS = """
 SELECT array_agg(column_name::text ORDER BY column_name) FROM information_schema.columns
@@ -185,3 +188,25 @@ async def test_hybrid_recall_stays_within_the_scope_and_ignores_other_dimensions
     texts = [o.text for o in recalled]
     assert "Alice loves green tea" not in texts  # another scope
     assert len(texts) == len(OTHER_FACTS) + 1  # the 16-dimensional one only by recency/text
+
+
+async def test_replay_with_embeddings_and_no_pgvector_stops_with_one_line(
+    pool: asyncpg.Pool, database_url: str, fake: FakeLLMServer
+) -> None:
+    available = await pool.fetchval(PGVECTOR_AVAILABLE)
+    await ingest(pool, "b", [{"text": "Alice loves green tea", "tags": ["alice"]}])
+    proc = start_replay(
+        database_url,
+        fake.url,
+        CONSOLIDATION_EMBEDDINGS_BASE_URL=fake.url,
+        CONSOLIDATION_LOG_LEVEL="ERROR",
+    )
+    _, stderr = proc.communicate(timeout=120)
+    if available:  # the embedded server: the replay runs and succeeds
+        assert proc.returncode == 0, stderr
+        return
+    assert proc.returncode != 0
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert "no pgvector extension" in lines[0]
+    assert fake.stats()["embeddings"]["requests"] == 0
