@@ -24,6 +24,7 @@ from typing import Any
 import orjson
 
 from bench import report, scenarios
+from bench.infra import pgvector_server
 from bench.workload import BankShape, generate
 
 DEFAULT_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -59,6 +60,15 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             results["rss"] = await scenarios.rss(
                 bench, sizes, results["throughput"], args.loop, bank
             )
+        if what == "embeddings":
+            async with pgvector_server(url, _log) as vector_url:
+                vector_bench = scenarios.Bench(vector_url, args.results_dir, _log)
+                try:
+                    results["embeddings"] = await scenarios.embeddings_cost(
+                        vector_bench, sizes, args.loop, bank
+                    )
+                finally:
+                    await vector_bench.close()
         if what == "profile" or (what == "all" and args.profile):
             results["profile"] = await scenarios.profile(bench, sizes, args.loop, bank)
         if what == "all":
@@ -85,6 +95,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     results = asyncio.run(_run(args))
     path = _save(results, args.results_dir, args.command)
     print(report.render_table(results))
+    if "embeddings" in results:
+        print(report.render_embeddings(results["embeddings"]))
     print(f"\nJSON: {path}")
     write = args.docs if args.docs is not None else (args.command == "all" and not args.quick)
     if write:
@@ -158,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("throughput", "memories/s with a zero-latency LLM"),
         ("rss", "peak RSS on the throughput bank and on a bank 10x larger"),
         ("profile", "the zero-latency run under py-spy and pyinstrument"),
+        ("embeddings", "zero-latency memories/s and recall cost, embeddings off vs on"),
     ):
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--quick", action="store_true", help="smaller banks, fewer repeats")

@@ -30,6 +30,7 @@ import orjson
 
 from bench.plan import PlanTracker
 from consolidation import db, queue, runtime, store
+from consolidation.embeddings import build_embedder, require_vector_storage
 from consolidation.engine import run_operation
 from consolidation.logs import configure_logging
 from consolidation.metrics import EventLoopLagMonitor
@@ -290,6 +291,11 @@ async def run(spec: RunSpec) -> dict[str, Any]:
     finally:
         db._init_connection = init_connection  # type: ignore[assignment]
     llm = runtime.build_consolidator(settings)
+    # With embeddings (the fake's /v1/embeddings): the service's client and start-up check.
+    embedder = build_embedder(settings)
+    if embedder is not None:
+        async with pool.acquire() as conn:
+            await require_vector_storage(conn)
     fetch_wave = store.fetch_wave
 
     async def planned_fetch_wave(*args: Any, **kwargs: Any) -> list[store.WaveMemory]:
@@ -325,7 +331,7 @@ async def run(spec: RunSpec) -> dict[str, Any]:
             async with monitor:
                 cpu_before = _cpu_s()
                 started = time.perf_counter()
-                end = await run_operation(pool, lease, llm, settings)
+                end = await run_operation(pool, lease, llm, settings, embedder=embedder)
                 wall = time.perf_counter() - started
                 engine_cpu = _cpu_s() - cpu_before
         counting = False
@@ -340,6 +346,8 @@ async def run(spec: RunSpec) -> dict[str, Any]:
             await asyncio.to_thread(Path(str(spec.record_to)).write_bytes, recorder.dump())
         store.fetch_wave = fetch_wave  # type: ignore[assignment]
         await llm.aclose()
+        if embedder is not None:
+            await embedder.aclose()
         await pool.close()
     if profiler is not None and spec.profile_out:
         _write_profile(profiler, spec.profile_out)

@@ -8,12 +8,15 @@ from the identical bank, and dropped at the end.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -211,3 +214,29 @@ class FakeLLM:
         data["service_ms_mean"] = 1000 * sum(served) / len(served) if served else None
         data["service_ms_p50"] = 1000 * served[len(served) // 2] if served else None
         return data
+
+
+@contextlib.asynccontextmanager
+async def pgvector_server(admin_url: str, log: Any = print) -> AsyncIterator[str]:
+    """A Postgres server with pgvector where bench databases may be created: ``admin_url``'s
+    when it has the extension, else the embedded one (PostgreSQL 18 with pgvector) in a
+    temporary directory, stopped on exit."""
+    conn = await asyncpg.connect(admin_url)
+    try:
+        available = await conn.fetchval(
+            "SELECT EXISTS (SELECT 1 FROM pg_available_extensions WHERE name = 'vector')"
+        )
+    finally:
+        await conn.close()
+    if available:
+        yield admin_url
+        return
+    import pgserver
+
+    with tempfile.TemporaryDirectory(prefix="bench-pgvector-") as tmp:
+        server = pgserver.get_server(tmp, cleanup_mode="stop")
+        log("  no pgvector on BENCH_DATABASE_URL's server: using the embedded Postgres")
+        try:
+            yield server.get_uri()
+        finally:
+            server.cleanup()

@@ -22,7 +22,6 @@ texts are embedded through ``HTTPEmbedder``, the service's own client. Figures:
 from __future__ import annotations
 
 import random
-import tempfile
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -32,9 +31,9 @@ from typing import Any
 import asyncpg
 
 from bench import recall_data
-from bench.infra import with_database
+from bench.infra import pgvector_server, with_database
 from consolidation import db, store
-from consolidation.embeddings import HTTPEmbedder, vector_literal
+from consolidation.embeddings import HTTPEmbedder
 
 BANK = "recall-bench"
 KS = (5, 10, 20)
@@ -46,18 +45,6 @@ TARGETS = {"hybrid_paraphrase_recall_at_20": 0.95, "hybrid_minus_full_text_parap
 Log = Callable[[str], None]
 
 
-async def _has_pgvector(url: str) -> bool:
-    conn = await asyncpg.connect(url)
-    try:
-        return bool(
-            await conn.fetchval(
-                "SELECT EXISTS (SELECT 1 FROM pg_available_extensions WHERE name = 'vector')"
-            )
-        )
-    finally:
-        await conn.close()
-
-
 async def _embed_all(embedder: HTTPEmbedder, texts: Sequence[str], log: Log) -> dict[str, str]:
     vectors: dict[str, str] = {}
     unique = sorted(set(texts))
@@ -66,7 +53,7 @@ async def _embed_all(embedder: HTTPEmbedder, texts: Sequence[str], log: Log) -> 
         chunk = unique[start : start + 64]
         for text, vector in zip(chunk, await embedder.embed(chunk), strict=True):
             assert vector is not None, text
-            vectors[text] = vector_literal(vector)
+            vectors[text] = vector
     seconds = time.perf_counter() - started
     log(f"  embedded {len(unique)} texts in {seconds:.1f}s ({len(unique) / seconds:.0f}/s)")
     return vectors
@@ -216,15 +203,7 @@ async def run(admin_url: str, log: Log = print) -> dict[str, Any]:
             vectors = await _embed_all(embedder, texts, log)
         finally:
             await embedder.aclose()
-    with tempfile.TemporaryDirectory(prefix="bench-recall-") as tmp:
-        server_url = admin_url
-        embedded = None
-        if not await _has_pgvector(admin_url):
-            import pgserver
-
-            embedded = pgserver.get_server(tmp, cleanup_mode="stop")
-            server_url = embedded.get_uri()
-            log("  no pgvector on BENCH_DATABASE_URL's server: using the embedded Postgres")
+    async with pgvector_server(admin_url, log) as server_url:
         name = f"bench_recall_{uuid.uuid4().hex[:8]}"
         admin = await asyncpg.connect(server_url)
         await admin.execute(f'CREATE DATABASE "{name}"')
@@ -242,8 +221,6 @@ async def run(admin_url: str, log: Log = print) -> dict[str, Any]:
         finally:
             await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
             await admin.close()
-            if embedded is not None:
-                embedded.cleanup()
     results["reference"] = reference
     results["cases"] = {
         kind: sum(1 for c in cases if c["kind"] == kind)

@@ -392,3 +392,39 @@ def write_docs(block: str, path: Path = DOCS) -> None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("# Benchmarks\n\n## Latest results\n\n" + block + "\n")
+
+
+def render_embeddings(emb: dict[str, Any]) -> str:
+    """The embeddings off/on comparison (``python -m bench embeddings``) as Markdown."""
+    off, on = emb["off"], emb["on"]
+    st = emb["statement_ms"]
+    rows = [
+        "| | embeddings off | embeddings on |",
+        "|---|---:|---:|",
+        f"| memories/s (median of {off['repeats']}) | {off['memories_per_s']:.0f} | "
+        f"{on['memories_per_s']:.0f} |",
+        f"| recall statement, ms (a group's first pass) | {st['off']['recall']:.2f} | "
+        f"{st['on']['recall']:.2f} |",
+        f"| apply statement with the next pass's recall, ms | {st['off']['apply_pass']:.2f} | "
+        f"{st['on']['apply_pass']:.2f} |",
+        f"| per LLM call: recall / apply / embeddings, ms | "
+        f"{off['per_call_ms']['recall']:.2f} / {off['per_call_ms']['apply']:.2f} / "
+        f"{off['per_call_ms']['embedding']:.2f} | {on['per_call_ms']['recall']:.2f} / "
+        f"{on['per_call_ms']['apply']:.2f} / {on['per_call_ms']['embedding']:.2f} |",
+        "| CPU ms per memory: engine / Postgres / fake | "
+        + " | ".join(
+            " / ".join(
+                f"{s['cpu_ms_per_memory'][k]:.2f}" for k in ("engine", "postgres", "fake_llm")
+            )
+            for s in (off, on)
+        )
+        + " |",
+    ]
+    ratio = emb["throughput_ratio"]
+    rows.append("")
+    rows.append(
+        f"Embeddings on: {ratio:.2f}× the memories/s of off (goal ≥ 0.75: "
+        f"{'met' if ratio >= 0.75 else 'not met'}); "
+        f"{emb['embedding_requests_per_llm_call']:.2f} embeddings requests per LLM call."
+    )
+    return "\n".join(rows)

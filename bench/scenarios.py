@@ -70,6 +70,7 @@ class Scenario:
     settings: dict[str, Any] = field(default_factory=dict)
     loop: str = "asyncio"
     trace_callbacks: bool = False
+    embeddings: bool = False  # the fake's /v1/embeddings as CONSOLIDATION_EMBEDDINGS_BASE_URL
 
     @property
     def concurrency(self) -> int:
@@ -137,7 +138,8 @@ class Bench:
                 bank=BANK,
                 llm_url=fake.url,
                 latency_ms=scenario.latency_ms,
-                settings=scenario.settings,
+                settings=scenario.settings
+                | ({"embeddings_base_url": fake.url} if scenario.embeddings else {}),
                 loop=scenario.loop,
                 trace_callbacks=scenario.trace_callbacks,
                 profile=profile,
@@ -183,6 +185,7 @@ def _record(
         "wall_s": wall,
         "memories_per_s": memories / wall,
         "llm_calls": perf["llm_calls"],
+        "embedding_requests": perf.get("embedding_requests", 0),
         "planned_calls": plan["calls"],
         "fake_requests": fake_stats["requests"],
         "fake_max_in_flight": fake_stats["max_in_flight"],
@@ -206,6 +209,7 @@ def _record(
         },
         "per_call_ms": {
             "recall": 1000 * perf["recall_s"] / calls,
+            "embedding": 1000 * perf.get("embedding_s", 0.0) / calls,
             "llm": 1000 * perf["llm_s"] / calls,
             "apply": 1000 * perf["apply_s"] / calls,
         },
@@ -264,7 +268,8 @@ def _summary_of(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
             for k in ("engine", "postgres", "fake_llm")
         },
         "per_call_ms": {
-            k: _median([r["per_call_ms"][k] for r in records]) for k in ("recall", "llm", "apply")
+            k: _median([r["per_call_ms"][k] for r in records])
+            for k in ("recall", "llm", "apply", "embedding")
         },
         "fake_service_ms_mean": _median([r["fake_service_ms_mean"] or 0.0 for r in records]),
     }
@@ -491,3 +496,57 @@ async def profile(
         }
     bench.log(render(summary))
     return out
+
+
+def _statement_ms(records: Sequence[dict[str, Any]], name: str) -> float:
+    """Median over runs of the mean milliseconds of one statement (by its store.py name)."""
+    values = [
+        1000 * r["statement_seconds"].get(name, 0.0) / r["statements"][name]
+        for r in records
+        if r["statements"].get(name)
+    ]
+    return _median(values)
+
+
+async def embeddings_cost(
+    bench: Bench, sizes: Sizes, loop: str = "asyncio", bank: BankOptions = DEFAULT_BANK
+) -> dict[str, Any]:
+    """The throughput scenario with embeddings off and on (the fake's /v1/embeddings, zero
+    latency), interleaved on the same pgvector server: what hybrid recall and stored vectors
+    cost the engine."""
+    shape = bank.shape(sizes.throughput_memories)
+    common: dict[str, Any] = {
+        "latency_ms": 0,
+        "loop": loop,
+        "settings": {"wave_size": bank.wave_size},
+    }
+    off = Scenario("embeddings-off", shape, **common)
+    on = Scenario("embeddings-on", shape, embeddings=True, **common)
+    bench.log(f"embeddings: {shape.memories} memories, zero-latency LLM and embeddings, off vs on")
+    runs_off: list[dict[str, Any]] = []
+    runs_on: list[dict[str, Any]] = []
+    with bench.fake(on) as fake:
+        for i in range(sizes.throughput_repeats):
+            runs_off.append(await bench.run(off, fake, repeat=i + 1))
+            runs_on.append(await bench.run(on, fake, repeat=i + 1))
+    s_off, s_on = _summary_of(runs_off), _summary_of(runs_on)
+    return {
+        "shape": shape.to_json(),
+        "off": s_off,
+        "on": s_on,
+        "throughput_ratio": s_on["memories_per_s"] / s_off["memories_per_s"],
+        "statement_ms": {
+            "off": {
+                "recall": _statement_ms(runs_off, "recall"),
+                "apply_pass": _statement_ms(runs_off, "apply_pass"),
+            },
+            "on": {
+                "recall": _statement_ms(runs_on, "recall_hybrid"),
+                "apply_pass": _statement_ms(runs_on, "apply_pass_hybrid"),
+            },
+        },
+        "embedding_requests_per_llm_call": runs_on[0]["embedding_requests"]
+        / max(1, runs_on[0]["llm_calls"]),
+        "same_result_on_and_off": len({str(r["digest"]) for r in runs_off + runs_on}) == 1,
+        "runs": runs_off + runs_on,
+    }

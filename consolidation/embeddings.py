@@ -22,7 +22,7 @@ import time
 import urllib.parse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeGuard
+from typing import Any, Protocol
 
 import aiohttp
 import asyncpg
@@ -49,7 +49,12 @@ __all__ = [
 
 log = structlog.get_logger(__name__)
 
-Vector = list[float]
+# A vector in its text form, '[x,y,…]': the JSON the endpoint sent, which is also pgvector's
+# input syntax. The engine only forwards vectors to Postgres, so they are never turned into
+# Python floats (384 of them per text would cost more than the rest of the request).
+Vector = str
+# The characters of a JSON array of numbers.
+_NUMBER_CHARS = b"0123456789+-.eE,"
 
 # pgvector's limit for the `vector` type.
 MAX_DIMENSIONS = 16_000
@@ -383,24 +388,24 @@ class HTTPEmbedder:
         ordered: list[Vector | None] = [None] * count
         for position, item in enumerate(items):
             index = item.get("index", position) if isinstance(item, dict) else None
-            vector = item.get("embedding") if isinstance(item, dict) else None
+            vector = _literal(item.get("embedding")) if isinstance(item, dict) else None
             if (
                 not isinstance(index, int)
                 or not 0 <= index < count
                 or ordered[index] is not None
-                or not _is_vector(vector)
+                or vector is None
             ):
                 raise _Retryable(
                     f"answer item {position} is not {{index, embedding: [number…]}}: "
                     f"{_excerpt(orjson.dumps(item).decode())!r}"
                 )
-            ordered[index] = [float(x) for x in vector]
+            ordered[index] = vector.decode()
         vectors = [v for v in ordered if v is not None]
-        self._check_dimensions(len(vectors[0]) if vectors else 0, vectors)
+        self._check_dimensions(_dimension(vectors[0]) if vectors else 0, vectors)
         return vectors
 
     def _check_dimensions(self, first: int, vectors: list[Vector]) -> None:
-        sizes = {len(v) for v in vectors}
+        sizes = {_dimension(v) for v in vectors}
         if len(sizes) > 1:
             raise EmbeddingsConfigError(
                 f"embeddings endpoint POST {self._url} answered vectors of several dimensions "
@@ -429,16 +434,21 @@ class HTTPEmbedder:
             )
 
 
-def _is_vector(value: object) -> TypeGuard[list[float]]:
-    return (
-        isinstance(value, list)
-        and bool(value)
-        and all(isinstance(x, int | float) and not isinstance(x, bool) for x in value)
-    )
+def _literal(value: object) -> bytes | None:
+    """The text form of a non-empty JSON array of numbers, else None (checked in C: no Python
+    loop over the elements)."""
+    if not isinstance(value, list) or not value:
+        return None
+    text = orjson.dumps(value)
+    return text if text.translate(None, _NUMBER_CHARS) == b"[]" else None
 
 
-def vector_literal(vector: Sequence[float]) -> str:
-    """pgvector's text form of a vector (``[x,y,…]``), which is also its JSON form."""
+def _dimension(vector: Vector) -> int:
+    return vector.count(",") + 1
+
+
+def vector_literal(vector: Sequence[float]) -> Vector:
+    """The text form of a vector of floats (``[x,y,…]``: JSON and pgvector alike)."""
     return orjson.dumps(list(vector)).decode()
 
 

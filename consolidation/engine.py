@@ -20,7 +20,7 @@ import asyncpg
 import structlog
 
 from consolidation import db, metrics, queue, store
-from consolidation.embeddings import Embedder, vector_literal
+from consolidation.embeddings import Embedder
 from consolidation.errors import (
     InvalidLLMOutput,
     LeaseLost,
@@ -203,8 +203,8 @@ class OperationRun:
         self.lease = lease
         self.llm = llm
         self.embedder = embedder
-        # Vectors of the wave's texts (pgvector text form; None: refused by the endpoint), so a
-        # fact is embedded once per wave however many passes recall by it.
+        # Vectors of the wave's texts (None: refused by the endpoint): its facts are embedded
+        # together when the wave starts, then each pass adds the texts it writes.
         self._vectors: dict[str, str | None] = {}
         self.settings = settings
         self.stop = stop
@@ -311,6 +311,7 @@ class OperationRun:
         ]
         self._waves_launched += 1
         number = self._waves_launched
+        facts = self._prefetch_vectors(states)
         groups = plan_wave(states, self.settings.llm_batch_size, _MemoryState.remaining)
         reports: list[list[_BatchReport]] = [[] for _ in groups]
         tasks = []
@@ -324,7 +325,7 @@ class OperationRun:
             if not before:
                 self._ready_groups += 1
             task = asyncio.create_task(
-                self._queue_group(index, group, reports[index], before),
+                self._queue_group(index, group, reports[index], before, facts),
                 name=f"wave-{number}-group-{index}",
             )
             for scope in scopes:
@@ -340,6 +341,7 @@ class OperationRun:
         group: Sequence[_MemoryState],
         reports: list[_BatchReport],
         before: set[asyncio.Task[None]],
+        facts: asyncio.Task[Any] | None,
     ) -> None:
         if before:
             await asyncio.wait(before)
@@ -350,7 +352,7 @@ class OperationRun:
             self._ready_groups -= 1
         try:
             self._slot_taken.set()
-            await self._run_group(index, group, reports)
+            await self._run_group(index, group, reports, facts)
         finally:
             self._slots.release()
 
@@ -436,7 +438,6 @@ class OperationRun:
             recovered=recovered,
             seconds=round(time.monotonic() - started, 4),
         )
-        self._vectors.clear()
         if await queue.record_progress(self.pool, self.lease, self.summary.progress()):
             self.stop.set(StopReason.CANCEL)
         self._report()
@@ -458,12 +459,20 @@ class OperationRun:
     # --- groups and passes ----------------------------------------------------------------
 
     async def _run_group(
-        self, index: int, group: Sequence[_MemoryState], reports: list[_BatchReport]
+        self,
+        index: int,
+        group: Sequence[_MemoryState],
+        reports: list[_BatchReport],
+        facts: asyncio.Task[Any] | None = None,
     ) -> None:
-        """The group's passes strictly in order: batch k+1 recalls what batch k wrote."""
+        """The group's passes strictly in order: batch k+1 recalls what batch k wrote. With
+        embeddings, they start once the wave's facts are embedded (``facts``)."""
         plan = GroupPlan(group, self.settings.llm_batch_size, _MemoryState.remaining)
         ahead: RecallAhead | None = None
         try:
+            if facts is not None:
+                # Shielded: the request serves the wave's other groups, whatever becomes of us.
+                await asyncio.shield(facts)
             while (step := plan.next()) is not None:
                 if not reports or reports[-1].number != step.batch:
                     batch = plan.batches[step.batch]
@@ -515,6 +524,21 @@ class OperationRun:
         texts = tuple(m.memory.text for m in step.members)
         return store.RecallRequest(step.scope, texts, self.settings.recall_limit)
 
+    def _prefetch_vectors(self, states: Sequence[_MemoryState]) -> asyncio.Task[Any] | None:
+        """With embeddings: a task embedding every fact of a wave in one request (chunked if
+        huge), which the wave's groups wait for before their first pass."""
+        texts = [s.memory.text for s in states if s.todo]
+        if self.embedder is None or not texts:
+            return None
+        if len(self._vectors) > 4 * self.settings.wave_size:
+            # Bounded: a text missing later is embedded again by the pass that needs it.
+            self._vectors.clear()
+        task = asyncio.create_task(self._embed(texts, self.summary.perf))
+        # Its error reaches every group awaiting it; this only silences "never retrieved" when
+        # the wave was cancelled before any group did.
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return task
+
     async def _embed(self, texts: Sequence[str], perf: PerfLog) -> tuple[str | None, ...]:
         """The vectors of ``texts``; those not embedded yet in this wave in ONE request."""
         assert self.embedder is not None
@@ -527,7 +551,7 @@ class OperationRun:
             finally:
                 perf.embedding_s += time.monotonic() - started
             for text, vector in zip(missing, vectors, strict=True):
-                self._vectors[text] = None if vector is None else vector_literal(vector)
+                self._vectors[text] = vector
         return tuple(self._vectors[t] for t in texts)
 
     async def _run_pass(
@@ -541,9 +565,9 @@ class OperationRun:
         answer), apply in one transaction — fetching ``upcoming``'s recall on the way, which is
         returned for it.
 
-        With embeddings, the vectors of this pass's written observations and of ``upcoming``'s
-        facts are fetched in one request between the answer and the apply, so a pass whose
-        recall rode on the previous apply makes one embeddings request in all."""
+        With embeddings, the facts' vectors are known since the wave started, and the vectors of
+        this pass's written observations are fetched in one request between the answer and the
+        apply (with ``upcoming``'s facts, should the wave's request have refused them)."""
         wanted = self._recall_request(step)
         if self.embedder is not None:
             wanted = replace(wanted, fact_vectors=await self._embed(wanted.fact_texts, perf))

@@ -1,17 +1,18 @@
 """Deterministic text vectors for the fake server's ``/v1/embeddings`` — pure, no model.
 
-A text becomes a bag of features hashed into ``dimensions`` signed buckets (the hashing trick)
-and normalised to unit length: each content word's crude stem, the *concept* of words found in
-a small synonym table (so "Alice adores matcha" and "Alice loves green tea" share "like" and
-"tea"), and the word's character trigrams at a low weight (so "colour" and "color" stay
-close). Paraphrases built from the table are therefore close, texts with no word or concept
-in common are nearly orthogonal, and the same text gets the same vector in every process.
-Good enough to exercise hybrid recall in tests and benchmarks; the recall-quality benchmark
-uses a real model (bench/minilm.py).
+A text (its first ``MAX_WORDS`` words) becomes a bag of features hashed into ``dimensions``
+signed buckets (the hashing trick) and normalised to unit length: each content word's crude
+stem, the *concept* of words found in a small synonym table (so "Alice adores matcha" and
+"Alice loves green tea" share "like" and "tea"), and the word's character trigrams at a low
+weight (so "colour" and "color" stay close). Paraphrases built from the table are therefore
+close, texts with no word or concept in common are nearly orthogonal, and the same text gets
+the same vector in every process. Good enough to exercise hybrid recall in tests and
+benchmarks; the recall-quality benchmark uses a real model (bench/minilm.py).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import re
@@ -108,8 +109,13 @@ def _concept(word: str) -> str | None:
     return None
 
 
+# Only a text's first words count: enough to tell paraphrases apart, and the cost of a long
+# observation stays that of a short one (the fake shares the benchmark's CPU with the engine).
+MAX_WORDS = 48
+
+
 def _features(text: str) -> list[tuple[str, float]]:
-    words = _WORD.findall(text.lower())
+    words = _WORD.findall(text.lower())[:MAX_WORDS]
     features: list[tuple[str, float]] = []
     skip = False
     for i, word in enumerate(words):
@@ -134,15 +140,21 @@ def _features(text: str) -> list[tuple[str, float]]:
     return features
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _bucket(feature: str, dimensions: int) -> tuple[int, float]:
+    """Where a feature lands and with which sign (words and trigrams recur: cached)."""
+    value = int.from_bytes(hashlib.blake2b(feature.encode(), digest_size=8).digest(), "little")
+    return value % dimensions, 1.0 if value >> 63 else -1.0
+
+
 def embed_text(text: str, dimensions: int = DEFAULT_DIMENSIONS) -> list[float]:
     """The unit vector of ``text`` in ``dimensions`` dimensions (deterministic)."""
     if dimensions < 1:
         raise ValueError("dimensions must be at least 1")
     vector = [0.0] * dimensions
     for feature, weight in _features(text):
-        digest = hashlib.blake2b(feature.encode(), digest_size=8).digest()
-        value = int.from_bytes(digest, "little")
-        vector[value % dimensions] += weight if value >> 63 else -weight
+        index, sign = _bucket(feature, dimensions)
+        vector[index] += sign * weight
     norm = math.sqrt(sum(x * x for x in vector))
     if norm == 0.0:
         # No content word at all: a fixed direction, so the vector stays a valid unit vector.

@@ -451,6 +451,14 @@ class _FakeLLM:
             response = await self._chat(Request(scope, receive))
             await response(scope, receive, send)
             return
+        if (
+            scope["type"] == "http"
+            and scope["method"] == "POST"
+            and scope["path"] in _EMBEDDINGS_PATHS
+        ):
+            response = await self.embeddings.endpoint(Request(scope, receive))
+            await response(scope, receive, send)
+            return
         await self._routes(scope, receive, send)
 
     def _clear_stats(self) -> None:

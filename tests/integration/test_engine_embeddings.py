@@ -121,7 +121,7 @@ async def test_a_paraphrase_twin_beyond_the_recall_limit_is_recalled_with_embedd
     assert (TWIN in shown) is embeddings
 
 
-async def test_one_embeddings_request_per_pass_carrying_the_writes_and_the_next_facts(
+async def test_one_embeddings_request_per_wave_for_its_facts_and_per_pass_for_its_writes(
     vector_database_url: str, fake: FakeLLMServer, embedder: HTTPEmbedder
 ) -> None:
     async with logged_pool(vector_database_url) as (pool, statements):
@@ -143,10 +143,9 @@ async def test_one_embeddings_request_per_pass_carrying_the_writes_and_the_next_
     stats = fake.stats()
     assert stats["requests"] == 8
     calls = stats["embeddings"]["calls"]
-    # The group's first facts, then at most one request per pass: its observations' new texts
-    # and the next pass's facts, each text once (a fact writing two scopes, a text written
-    # again, are not sent twice).
-    assert calls[0]["inputs"] == [m["text"] for m in tea(3)]
+    # The wave's facts in one request, then at most one request per pass: the texts it writes,
+    # each text once (a fact writing two scopes, a text written again, are not sent twice).
+    assert calls[0]["inputs"] == [m["text"] for m in tea(10)]
     assert len(calls) <= 1 + 8
     sent = [t for c in calls for t in c["inputs"]]
     assert len(sent) == len(set(sent))

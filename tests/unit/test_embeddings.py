@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from consolidation.embeddings import (
@@ -17,6 +18,7 @@ from consolidation.embeddings import (
     EmbeddingsRetriesExhausted,
     HTTPEmbedder,
     build_embedder,
+    vector_literal,
 )
 from consolidation.errors import LLMConfigError, TransientLLMError
 from consolidation.fake_embeddings import embed_text
@@ -128,7 +130,7 @@ async def test_embed_returns_one_vector_per_text_in_one_request(
     client = make_embedder(fake.url + "/")
     texts = ["Alice adores matcha", "Alice loves green tea", "Bob fixed the sink"]
     vectors = await client.embed(texts)
-    assert vectors == [embed_text(t) for t in texts]
+    assert vectors == [vector_literal(embed_text(t)) for t in texts]
     assert client.dimensions == 384
     calls = fake.stats()["embeddings"]["calls"]
     assert len(calls) == 1
@@ -139,7 +141,7 @@ async def test_embed_returns_one_vector_per_text_in_one_request(
 async def test_configured_dimensions_are_sent(fake: FakeLLMServer, make_embedder: Any) -> None:
     client = make_embedder(fake.url, dimensions=64)
     (vector,) = await client.embed(["a"])
-    assert vector is not None and len(vector) == 64
+    assert vector is not None and len(orjson.loads(vector)) == 64
     assert fake.stats()["embeddings"]["calls"][0]["dimensions"] == 64
 
 
@@ -159,7 +161,7 @@ async def test_transport_trouble_is_retried_honouring_retry_after(
     fake.control(embeddings={"script": [{"status": 503}, {"status": 429, "retry_after": 0.3}]})
     retries_before = metric("consolidation_embedding_requests_total", outcome="retry")
     vectors = await make_embedder(fake.url, backoff_max_s=0.1).embed(["a"])
-    assert vectors == [embed_text("a")]
+    assert vectors == [vector_literal(embed_text("a"))]
     calls = fake.stats()["embeddings"]["calls"]
     assert [c["status"] for c in calls] == [503, 429, 200]
     # Backoff alone waits at most 100 ms; only Retry-After explains the gap.
@@ -181,10 +183,18 @@ async def test_exhausted_retries_are_transient_errors(
 async def test_an_answer_that_is_not_an_embeddings_list_is_retried(
     fake: FakeLLMServer, make_embedder: Any
 ) -> None:
-    fake.control(embeddings={"script": [{"status": 200, "body": '{"data": "nope"}'}]})
+    fake.control(
+        embeddings={
+            "script": [
+                {"status": 200, "body": '{"data": "nope"}'},
+                {"status": 200, "body": '{"data": [{"index": 0, "embedding": [0.5, "x"]}]}'},
+                {"status": 200, "body": '{"data": [{"index": 0, "embedding": [[0.5]]}]}'},
+            ]
+        }
+    )
     vectors = await make_embedder(fake.url).embed(["a"])
-    assert vectors == [embed_text("a")]
-    assert fake.stats()["embeddings"]["requests"] == 2
+    assert vectors == [vector_literal(embed_text("a"))]
+    assert fake.stats()["embeddings"]["requests"] == 4
 
 
 @pytest.mark.parametrize(
@@ -208,7 +218,8 @@ async def test_api_key_is_sent_as_bearer_token(make_embedder: Any) -> None:
     with FakeLLMServer(FakeLLMConfig(api_key="s3cret")) as server:
         with pytest.raises(EmbeddingsConfigError, match="EMBEDDINGS_API_KEY"):
             await make_embedder(server.url).embed(["a"])
-        assert await make_embedder(server.url, api_key="s3cret").embed(["a"]) == [embed_text("a")]
+        vectors = await make_embedder(server.url, api_key="s3cret").embed(["a"])
+        assert vectors == [vector_literal(embed_text("a"))]
 
 
 async def test_a_refused_text_gets_no_vector_and_the_others_do(
@@ -221,7 +232,7 @@ async def test_a_refused_text_gets_no_vector_and_the_others_do(
     )
     refused_before = metric("consolidation_embedding_requests_total", outcome="refused_input")
     vectors = await make_embedder(fake.url).embed(["short", "very long"])
-    assert vectors == [embed_text("short"), None]
+    assert vectors == [vector_literal(embed_text("short")), None]
     inputs = [c["inputs"] for c in fake.stats()["embeddings"]["calls"]]
     assert inputs[0] == ["short", "very long"]
     assert inputs[2:] == [["short"], ["very long"]]
