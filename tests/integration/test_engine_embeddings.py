@@ -15,6 +15,7 @@ from consolidation.embeddings import HTTPEmbedder
 from consolidation.engine import OperationEnd, run_operation
 from consolidation.fake_llm import FakeLLMServer
 from consolidation.llm import Consolidator, LLMAnswer
+from consolidation.prompts import Chat
 from consolidation.settings import Settings
 from tests.integration.engine_helpers import http_llm, ingest, markers
 from tests.integration.test_engine import logged_pool
@@ -40,9 +41,9 @@ class PromptLog:
         self._llm = llm
         self.shown: list[list[str]] = []
 
-    async def complete(self, system: str, user: str) -> LLMAnswer:
-        self.shown.append([o["text"] for o in orjson.loads(user)["observations"]])
-        return await self._llm.complete(system, user)
+    async def complete(self, chat: Chat) -> LLMAnswer:
+        self.shown.append([o["text"] for o in orjson.loads(chat.user)["observations"]])
+        return await self._llm.complete(chat)
 
     async def aclose(self) -> None:
         await self._llm.aclose()
