@@ -540,9 +540,11 @@ class OperationRun:
         return task
 
     async def _embed(self, texts: Sequence[str], perf: PerfLog) -> tuple[str | None, ...]:
-        """The vectors of ``texts``; those not embedded yet in this wave in ONE request."""
+        """The vectors of ``texts``; those not embedded yet in ONE request."""
         assert self.embedder is not None
-        missing = list(dict.fromkeys(t for t in texts if t not in self._vectors))
+        # A local copy: the cache may be cleared by a wave launched while we wait.
+        known = {t: self._vectors[t] for t in texts if t in self._vectors}
+        missing = list(dict.fromkeys(t for t in texts if t not in known))
         if missing:
             started = time.monotonic()
             perf.embedding_requests += 1
@@ -550,9 +552,10 @@ class OperationRun:
                 vectors = await self.embedder.embed(missing)
             finally:
                 perf.embedding_s += time.monotonic() - started
-            for text, vector in zip(missing, vectors, strict=True):
-                self._vectors[text] = vector
-        return tuple(self._vectors[t] for t in texts)
+            fetched = dict(zip(missing, vectors, strict=True))
+            self._vectors.update(fetched)
+            known.update(fetched)
+        return tuple(known[t] for t in texts)
 
     async def _run_pass(
         self,
