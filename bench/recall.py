@@ -16,7 +16,8 @@ texts are embedded through ``HTTPEmbedder``, the service's own client. Figures:
 - for hard negatives, how often a decoy (the twin with one number, name or date changed) is
   ranked above the twin;
 - ``cosine``: the hybrid function given no text, i.e. the vector ranking alone, and a sweep of
-  the fusion constant — the measurements behind the choice of reciprocal-rank fusion, k = 60.
+  the fusion (``rrf`` at several constants and full-text weights, ``interleave``) — the
+  measurements behind the default, ``interleave``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ BANK = "recall-bench"
 KS = (5, 10, 20)
 BATCHES = (1, 8)
 RRF_SWEEP = (10, 30, 60, 100)
+LEXICAL_WEIGHTS = (1.0, 0.5, 0.25)
 MODES = ("full_text", "hybrid", "cosine")
 TARGETS = {"hybrid_paraphrase_recall_at_20": 0.95, "hybrid_minus_full_text_paraphrase_at_20": 0.25}
 
@@ -102,20 +104,22 @@ async def _recall(
     group: Sequence[dict[str, Any]],
     limit: int,
     vectors: dict[str, str],
-    rrf_k: int | None = None,
+    fusion: tuple[str, int, float] | None = None,
 ) -> list[str]:
+    """The texts recalled for ``group``'s facts. ``fusion`` (mode, RRF constant, full-text
+    weight) calls the hybrid function with other fusion parameters than its defaults."""
     scope = (group[0]["scope"],)
     facts = [c["fact"] for c in group]
     fact_vectors = [vectors[f] for f in facts]
-    if rrf_k is not None:
+    if fusion is not None:
         rows = await conn.fetch(
-            store.RECALL_HYBRID.replace("$5)", "$5, $6)"),
+            store.RECALL_HYBRID.replace("$5)", "$5, $6, $7, $8)"),
             BANK,
             list(scope),
             limit,
             facts,
             fact_vectors,
-            rrf_k,
+            *fusion,
         )
         return [r["obs_text"] for r in rows]
     if mode == "full_text":
@@ -156,15 +160,25 @@ async def _measure(
                         decoy_first
                     ) / len(decoy_first)
     sweep: dict[str, Any] = {}
+    fusions = (
+        [("rrf", k, 1.0) for k in RRF_SWEEP]
+        + [("rrf", 60, w) for w in LEXICAL_WEIGHTS if w != 1.0]
+        + [("interleave", 60, w) for w in LEXICAL_WEIGHTS]
+    )
     for batch in BATCHES:
-        for rrf_k in RRF_SWEEP:
-            hits: dict[str, list[bool]] = {kind: [] for kind in kinds}
-            for group in _passes(cases, batch):
-                recalled = await _recall(conn, "hybrid", group, 20, vectors, rrf_k)
-                for case in group:
-                    hits[case["kind"]].append(case["twin"] in recalled)
-            sweep[f"batch{batch}_rrf{rrf_k}"] = {kind: sum(v) / len(v) for kind, v in hits.items()}
-    results["rrf_sweep_recall_at_20"] = sweep
+        for how, rrf_k, weight in fusions:
+            for limit in KS:
+                hits: dict[str, list[bool]] = {kind: [] for kind in kinds}
+                for group in _passes(cases, batch):
+                    recalled = await _recall(
+                        conn, "hybrid", group, limit, vectors, (how, rrf_k, weight)
+                    )
+                    for case in group:
+                        hits[case["kind"]].append(case["twin"] in recalled)
+                sweep[f"batch{batch}_{how}_rrf{rrf_k}_w{weight:g}_at{limit}"] = {
+                    kind: sum(v) / len(v) for kind, v in hits.items()
+                }
+    results["fusion_sweep"] = sweep
     return results
 
 
@@ -259,18 +273,26 @@ def render(results: dict[str, Any]) -> str:
         lines.append("")
         lines.append(f"Hard negatives, a decoy ranked above its recalled twin (@20): {decoys}.")
         lines.append("")
-    lines.append("Fusion constant (hybrid twin recall@20, paraphrase / lexical / hard_negative):")
+    lines.append(
+        "Fusion parameters (hybrid twin recall, paraphrase / lexical / hard_negative; "
+        "k = RRF constant, w = weight of the full-text ranking):"
+    )
     lines.append("")
-    lines.append("| passes | k=" + " | k=".join(str(k) for k in RRF_SWEEP) + " |")
-    lines.append("|---|" + "---:|" * len(RRF_SWEEP))
+    lines.append("| passes | fusion | @5 | @10 | @20 |")
+    lines.append("|---|---|---|---|---|")
+    sweep = results["fusion_sweep"]
     for batch in BATCHES:
-        cells = []
-        for rrf_k in RRF_SWEEP:
-            row = results["rrf_sweep_recall_at_20"][f"batch{batch}_rrf{rrf_k}"]
-            cells.append(
-                f"{row['paraphrase']:.3f} / {row['lexical']:.3f} / {row['hard_negative']:.3f}"
+        for key in sorted({k.rsplit("_at", 1)[0] for k in sweep if k.startswith(f"batch{batch}_")}):
+            _, how, rrf, weight = key.split("_")
+            cells = []
+            for limit in KS:
+                row = sweep[f"{key}_at{limit}"]
+                cells.append(
+                    f"{row['paraphrase']:.3f} / {row['lexical']:.3f} / {row['hard_negative']:.3f}"
+                )
+            lines.append(
+                f"| {batch} | {how}, k={rrf[3:]}, w={weight[1:]} | " + " | ".join(cells) + " |"
             )
-        lines.append(f"| {batch} | " + " | ".join(cells) + " |")
     t = results["recall_ms_per_pass"]
     lines.append("")
     lines.append(

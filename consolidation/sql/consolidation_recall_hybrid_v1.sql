@@ -1,23 +1,27 @@
--- Hybrid recall (docs/architecture.md, Recall): the observations of one scope a pass should see,
--- ranked for each fact by full text AND by cosine similarity, the two rankings fused by
--- reciprocal rank, the facts' fused rankings interleaved, then topped up with the most recently
+-- Hybrid recall (docs/architecture.md, "Recall with embeddings"): the observations of one scope
+-- a pass should see, ranked for each fact by full text AND by cosine similarity, the two
+-- rankings fused, the facts' fused rankings interleaved, then topped up with the most recently
 -- updated observations, capped at p_limit.
 --   p_texts    the facts' texts, one per fact
 --   p_vectors  the facts' vectors in pgvector's text form ('[x,y,…]'), aligned with p_texts;
 --              NULL for a fact without one. Text, not vector[], so that this function can be
 --              created on a server without pgvector: it is only called when embeddings are on.
---   p_rrf_k    the fusion constant: a fact's score of an observation is
---              1 / (p_rrf_k + full-text position) + 1 / (p_rrf_k + cosine position), a ranking
---              counting only its first p_limit positions
+--   p_fusion   how a fact's two rankings become one, each ranking counting its first p_limit
+--              places, an observation at place p of a ranking scoring w / (p_rrf_k + p), w
+--              being p_lexical_weight for full text and 1 for cosine:
+--              'interleave' (the default) keeps its better score: the two rankings alternate;
+--              'rrf' sums them (reciprocal-rank fusion): agreement between the rankings wins.
+--              The benchmark's knobs: the engine always calls the defaults.
 -- The full-text ranking weighs shared lexemes by their rarity in the scope (idf) and ignores
 -- those in more than half of its observations: the name a person's every observation repeats
 -- would otherwise rank noise level with a paraphrase. Rankings per fact, then interleaved
--- (each observation keeps its best position over the facts), so each fact of a pass gets its
+-- (each observation keeps its best place over the facts), so each fact of a pass gets its
 -- best few. Only vectors of the query's dimension and of the observation's current version
--- count. The measurements behind these choices: docs/benchmarks.md, Recall.
+-- count. The measurements behind these choices: docs/benchmarks.md, "Recall quality".
 CREATE FUNCTION consolidation_recall_hybrid_v1(
     p_bank text, p_scope text[], p_limit integer, p_texts text[], p_vectors text[],
-    p_rrf_k integer DEFAULT 60)
+    p_fusion text DEFAULT 'interleave', p_rrf_k integer DEFAULT 60,
+    p_lexical_weight float8 DEFAULT 1.0)
 RETURNS TABLE (obs_id uuid, obs_text text, obs_updated_at timestamptz, obs_sources bigint)
 LANGUAGE plpgsql STABLE SET enable_seqscan = off AS $fn$
 BEGIN
@@ -61,10 +65,13 @@ BEGIN
         WHERE f.v IS NOT NULL AND c.embedding IS NOT NULL
           AND vector_dims(c.embedding) = vector_dims(f.v)
     ), fused AS (
-        SELECT r.n, r.id, sum(1.0 / (p_rrf_k + r.pos)) AS score
-        FROM (SELECT * FROM lexical_pos WHERE pos <= p_limit
+        SELECT r.n, r.id,
+               CASE WHEN p_fusion = 'rrf' THEN sum(r.weight / (p_rrf_k + r.pos))
+                    ELSE max(r.weight / (p_rrf_k + r.pos)) END AS score
+        FROM (SELECT l.n, l.id, l.pos, p_lexical_weight AS weight
+              FROM lexical_pos l WHERE l.pos <= p_limit
               UNION ALL
-              SELECT * FROM cosine_pos WHERE pos <= p_limit) AS r
+              SELECT c.n, c.id, c.pos, 1.0::float8 FROM cosine_pos c WHERE c.pos <= p_limit) AS r
         GROUP BY r.n, r.id
     ), per_fact AS (
         SELECT u.id, u.score,

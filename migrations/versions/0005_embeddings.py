@@ -38,7 +38,8 @@ FUNCTIONS = ("consolidation_recall_hybrid_v1", "consolidation_apply_pass_v2")
 
 DOWNGRADE = """
 DROP FUNCTION consolidation_apply_pass_v2(jsonb, text[], integer, text[], text[]);
-DROP FUNCTION consolidation_recall_hybrid_v1(text, text[], integer, text[], text[], integer);
+DROP FUNCTION consolidation_recall_hybrid_v1(
+    text, text[], integer, text[], text[], text, integer, float8);
 ALTER TABLE observations DROP COLUMN IF EXISTS embedding, DROP COLUMN IF EXISTS embedding_version;
 """
 
