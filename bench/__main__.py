@@ -65,7 +65,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                 vector_bench = scenarios.Bench(vector_url, args.results_dir, _log)
                 try:
                     results["embeddings"] = await scenarios.embeddings_cost(
-                        vector_bench, sizes, args.loop, bank
+                        vector_bench, sizes, args.loop, bank, args.latency_ms
                     )
                 finally:
                     await vector_bench.close()
@@ -205,6 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--wave-size", type=int, default=default.wave_size)
         if name == "all":
             p.add_argument("--profile", action="store_true", help="also run the profiles")
+        if name == "embeddings":
+            p.add_argument(
+                "--latency-ms", type=float, default=0.0, help="the fake LLM's latency (0)"
+            )
         p.set_defaults(handler=cmd_run)
     p = sub.add_parser("report", help="render a saved result again (and the docs block)")
     p.add_argument("json", type=Path, nargs="?", default=RESULTS / "latest-all.json")

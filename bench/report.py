@@ -401,7 +401,8 @@ def render_embeddings(emb: dict[str, Any]) -> str:
     rows = [
         "| | embeddings off | embeddings on |",
         "|---|---:|---:|",
-        f"| memories/s (median of {off['repeats']}) | {off['memories_per_s']:.0f} | "
+        f"| memories/s (median of {off['repeats']}; LLM latency "
+        f"{emb.get('llm_latency_ms', 0):g} ms) | {off['memories_per_s']:.0f} | "
         f"{on['memories_per_s']:.0f} |",
         f"| recall statement, ms (a group's first pass) | {st['off']['recall']:.2f} | "
         f"{st['on']['recall']:.2f} |",

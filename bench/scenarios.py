@@ -509,20 +509,27 @@ def _statement_ms(records: Sequence[dict[str, Any]], name: str) -> float:
 
 
 async def embeddings_cost(
-    bench: Bench, sizes: Sizes, loop: str = "asyncio", bank: BankOptions = DEFAULT_BANK
+    bench: Bench,
+    sizes: Sizes,
+    loop: str = "asyncio",
+    bank: BankOptions = DEFAULT_BANK,
+    latency_ms: float = 0,
 ) -> dict[str, Any]:
     """The throughput scenario with embeddings off and on (the fake's /v1/embeddings, zero
     latency), interleaved on the same pgvector server: what hybrid recall and stored vectors
-    cost the engine."""
+    cost the engine. ``latency_ms``: the LLM's (the embeddings answer at once)."""
     shape = bank.shape(sizes.throughput_memories)
     common: dict[str, Any] = {
-        "latency_ms": 0,
+        "latency_ms": latency_ms,
         "loop": loop,
         "settings": {"wave_size": bank.wave_size},
     }
     off = Scenario("embeddings-off", shape, **common)
     on = Scenario("embeddings-on", shape, embeddings=True, **common)
-    bench.log(f"embeddings: {shape.memories} memories, zero-latency LLM and embeddings, off vs on")
+    bench.log(
+        f"embeddings: {shape.memories} memories, LLM latency {latency_ms:g} ms, zero-latency "
+        "embeddings, off vs on"
+    )
     runs_off: list[dict[str, Any]] = []
     runs_on: list[dict[str, Any]] = []
     with bench.fake(on) as fake:
@@ -532,6 +539,7 @@ async def embeddings_cost(
     s_off, s_on = _summary_of(runs_off), _summary_of(runs_on)
     return {
         "shape": shape.to_json(),
+        "llm_latency_ms": latency_ms,
         "off": s_off,
         "on": s_on,
         "throughput_ratio": s_on["memories_per_s"] / s_off["memories_per_s"],
