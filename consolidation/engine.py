@@ -570,7 +570,7 @@ class OperationRun:
 
         With embeddings, the facts' vectors are known since the wave started, and the vectors of
         this pass's written observations are fetched in one request between the answer and the
-        apply (with ``upcoming``'s facts, should the wave's request have refused them)."""
+        apply (with ``upcoming``'s facts, should they have dropped out of the bounded cache)."""
         wanted = self._recall_request(step)
         if self.embedder is not None:
             wanted = replace(wanted, fact_vectors=await self._embed(wanted.fact_texts, perf))

@@ -290,8 +290,8 @@ RECALL = (
 )
 
 
-# With embeddings: full text and cosine similarity to the facts' vectors, fused by reciprocal
-# rank (consolidation/sql/consolidation_recall_hybrid_v1.sql).
+# With embeddings: full text and cosine similarity to the facts' vectors, the two rankings
+# interleaved per fact (consolidation/sql/consolidation_recall_hybrid_v1.sql).
 RECALL_HYBRID = (
     "SELECT obs_id, obs_text, obs_updated_at, obs_sources"
     " FROM consolidation_recall_hybrid_v1($1, $2, $3, $4, $5)"

@@ -71,25 +71,34 @@ async def _admin(url: str, *statements: str) -> None:
         await conn.close()
 
 
+def _migrated_template(admin_url: str, prefix: str) -> Iterator[str]:
+    import asyncio
+
+    name = f"{prefix}_{os.getpid()}_{uuid.uuid4().hex[:6]}"
+    asyncio.run(_admin(admin_url, f'CREATE DATABASE "{name}"'))
+    db.migrate_sync(_with_database(admin_url, name))
+    yield name
+    asyncio.run(_admin(admin_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+async def _clone(admin_url: str, template: str, prefix: str) -> AsyncIterator[str]:
+    name = f"{prefix}_{uuid.uuid4().hex[:12]}"
+    await _admin(admin_url, f'CREATE DATABASE "{name}" TEMPLATE "{template}"')
+    yield _with_database(admin_url, name)
+    await _admin(admin_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
 @pytest.fixture(scope="session")
 def template_name(pg_admin_url: str) -> Iterator[str]:
     """A database migrated to head, cloned by every test (much faster than migrating each)."""
-    import asyncio
-
-    name = f"consolidation_tpl_{os.getpid()}_{uuid.uuid4().hex[:6]}"
-    asyncio.run(_admin(pg_admin_url, f'CREATE DATABASE "{name}"'))
-    db.migrate_sync(_with_database(pg_admin_url, name))
-    yield name
-    asyncio.run(_admin(pg_admin_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    yield from _migrated_template(pg_admin_url, "consolidation_tpl")
 
 
 @pytest.fixture
 async def database_url(pg_admin_url: str, template_name: str) -> AsyncIterator[str]:
     """A fresh, migrated database for this test alone."""
-    name = f"consolidation_t_{uuid.uuid4().hex[:12]}"
-    await _admin(pg_admin_url, f'CREATE DATABASE "{name}" TEMPLATE "{template_name}"')
-    yield _with_database(pg_admin_url, name)
-    await _admin(pg_admin_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    async for url in _clone(pg_admin_url, template_name, "consolidation_t"):
+        yield url
 
 
 @pytest.fixture
@@ -143,13 +152,7 @@ def vector_admin_url(pg_admin_url: str) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def vector_template_name(vector_admin_url: str) -> Iterator[str]:
     """A database migrated to head on the pgvector server (so it has the embedding columns)."""
-    import asyncio
-
-    name = f"consolidation_vtpl_{os.getpid()}_{uuid.uuid4().hex[:6]}"
-    asyncio.run(_admin(vector_admin_url, f'CREATE DATABASE "{name}"'))
-    db.migrate_sync(_with_database(vector_admin_url, name))
-    yield name
-    asyncio.run(_admin(vector_admin_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    yield from _migrated_template(vector_admin_url, "consolidation_vtpl")
 
 
 @pytest.fixture
@@ -157,10 +160,8 @@ async def vector_database_url(
     vector_admin_url: str, vector_template_name: str
 ) -> AsyncIterator[str]:
     """A fresh, migrated database with pgvector for this test alone."""
-    name = f"consolidation_v_{uuid.uuid4().hex[:12]}"
-    await _admin(vector_admin_url, f'CREATE DATABASE "{name}" TEMPLATE "{vector_template_name}"')
-    yield _with_database(vector_admin_url, name)
-    await _admin(vector_admin_url, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    async for url in _clone(vector_admin_url, vector_template_name, "consolidation_v"):
+        yield url
 
 
 @pytest.fixture

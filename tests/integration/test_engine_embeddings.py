@@ -18,20 +18,12 @@ from consolidation.llm import Consolidator, LLMAnswer
 from consolidation.prompts import Chat
 from consolidation.settings import Settings
 from tests.integration.engine_helpers import http_llm, ingest, markers
+from tests.integration.test_embedding_storage import OTHER_FACTS
 from tests.integration.test_engine import logged_pool
 from tests.invariants import assert_consistent
 
 TWIN = "Alice loves green tea"
-OTHERS = [
-    "Alice visited Porto in May",
-    "Alice's uncle works as a plumber",
-    "Alice bought a blue lamp at the market",
-    "Alice read a thriller on holiday",
-    "Alice watched a western with Samir",
-    "Alice cooked paella for Ines on Friday",
-    "Alice has a vet appointment on Monday",
-    "Alice met Pavel at the library",
-]
+OTHERS = OTHER_FACTS[:8]
 
 
 class PromptLog:
