@@ -11,26 +11,49 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import Path
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, WithJsonSchema
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    WithJsonSchema,
+)
 
 from consolidation.api_errors import phrase
 from consolidation.memories import MAX_BANK_ID_CHARS, MAX_TEXT_CHARS
-from consolidation.scopes import MAX_TAG_CHARS, MAX_TAGS
+from consolidation.scopes import MAX_TAG_CHARS, MAX_TAGS, tag_problem
 
 MAX_MEMORIES_PER_REQUEST = 1000
 MAX_SCOPES_PER_REQUEST = 100
 MAX_PRIORITY = 1000
 
-# A tag: no control characters and at least one non-space character (the memories' rule).
-TAG_PATTERN = r"^[^\x00-\x1f]*[^\x00-\x1f\s][^\x00-\x1f]*$"
-BANK_ID_PATTERN = TAG_PATTERN
+# Tags are checked by scopes.tag_problem, the one rule for the API, the CLI and ingestion; the
+# pattern only documents that rule in /openapi.json (tests/unit/test_api_models.py keeps them in
+# agreement). Bank ids follow memories.bank_id_problems, which allows U+007F.
+TAG_PATTERN = r"^[^\x00-\x1f\x7f]*[^\x00-\x1f\x7f\s][^\x00-\x1f\x7f]*$"
+BANK_ID_PATTERN = r"^[^\x00-\x1f]*[^\x00-\x1f\s][^\x00-\x1f]*$"
 # Documentation only (the routes answer 422 / 400 themselves): comma-separated tags, and the
 # spelling of a 16-byte id in unpadded urlsafe base64 (the last character carries 2 zero bits).
-_LISTED_TAG = r"[^\x00-\x1f,]*[^\x00-\x1f,\s][^\x00-\x1f,]*"
+_LISTED_TAG = r"[^\x00-\x1f\x7f,]*[^\x00-\x1f\x7f,\s][^\x00-\x1f\x7f,]*"
 SCOPE_PARAM_PATTERN = rf"^(?:{_LISTED_TAG}(?:,{_LISTED_TAG})*)?$"
 CURSOR_PATTERN = r"^[A-Za-z0-9_-]{21}[AQgw]$"
 
-Tag = Annotated[str, StringConstraints(min_length=1, max_length=MAX_TAG_CHARS, pattern=TAG_PATTERN)]
+
+def _checked_tag(value: str) -> str:
+    problem = tag_problem(value)
+    if problem is not None:
+        raise ValueError(f"tag {problem}")
+    return value
+
+
+Tag = Annotated[
+    str,
+    AfterValidator(_checked_tag),
+    WithJsonSchema(
+        {"type": "string", "minLength": 1, "maxLength": MAX_TAG_CHARS, "pattern": TAG_PATTERN}
+    ),
+]
 BankId = Annotated[
     str,
     Path(

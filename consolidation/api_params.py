@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import base64
 import binascii
-import re
 import uuid
 
 from consolidation.api_errors import ApiError
-from consolidation.api_models import TAG_PATTERN
-from consolidation.scopes import MAX_TAG_CHARS, MAX_TAGS, Scope, normalize_scope
-
-_TAG_RE = re.compile(TAG_PATTERN)
+from consolidation.scopes import MAX_TAGS, Scope, normalize_scope, tag_problem
 
 
 def scope_param(value: str | None) -> Scope | None:
@@ -22,10 +18,9 @@ def scope_param(value: str | None) -> Scope | None:
         return ()
     tags = value.split(",")
     problems = [
-        f"scope tag {tag[:20]!r} must be 1 to {MAX_TAG_CHARS} characters, not blank, "
-        "without control characters"
+        f"scope tag {tag[:20]!r} {problem}"
         for tag in tags
-        if len(tag) > MAX_TAG_CHARS or not _TAG_RE.fullmatch(tag)
+        if (problem := tag_problem(tag)) is not None
     ]
     scope = normalize_scope(tags)
     if len(scope) > MAX_TAGS:

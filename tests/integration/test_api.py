@@ -268,6 +268,26 @@ async def test_invalid_consolidation_requests_are_422(
     assert error["details"]
 
 
+# Each of these is refused by scopes.tag_problem, the one rule for tags everywhere.
+BAD_TAGS = ["a\x7fb", "a\x1fb", "\x00", " ", "t" * 129]
+
+
+@pytest.mark.parametrize("tag", BAD_TAGS, ids=repr)
+async def test_every_route_that_takes_tags_refuses_what_the_scope_rules_refuse(
+    manual_client: httpx.AsyncClient, pool: asyncpg.Pool, tag: str
+) -> None:
+    await ingest(manual_client, "b", {"text": "x", "tags": ["ok"]})
+    for memory in ({"text": "y", "tags": [tag]}, {"text": "y", "observation_scopes": [[tag]]}):
+        response = await manual_client.post("/v1/banks/b/memories", json={"memories": [memory]})
+        assert_error(response, 422, "invalid_memories")
+    response = await manual_client.post("/v1/banks/b/consolidations", json={"scopes": [[tag]]})
+    assert_error(response, 422, "invalid_request")
+    response = await manual_client.get("/v1/banks/b/observations", params={"scope": tag})
+    assert_error(response, 422, "invalid_request")
+    assert await pool.fetchval("SELECT count(*) FROM memories") == 1
+    assert await pool.fetchval("SELECT count(*) FROM operations") == 0
+
+
 async def test_consolidating_an_unknown_bank_is_404(client: httpx.AsyncClient) -> None:
     response = await client.post("/v1/banks/nobody/consolidations")
     assert_error(response, 404, "bank_not_found")
