@@ -9,9 +9,10 @@ live in api_models.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import uuid
 from collections.abc import Awaitable
-from typing import Annotated
+from typing import Annotated, Any
 
 import asyncpg
 import fastapi
@@ -33,10 +34,15 @@ from consolidation.api_errors import (
 from consolidation.api_guard import MAX_BODY_BYTES, Guard
 from consolidation.api_json import OrjsonRoute
 from consolidation.api_models import (
+    BANK_CURSOR_PATTERN,
+    BANK_ID_PATTERN,
     CURSOR_PATTERN,
     SCOPE_PARAM_PATTERN,
+    TIME_CURSOR_PATTERN,
     V1_ERRORS,
     BankId,
+    BankOut,
+    BanksPage,
     CancelResponse,
     ConsolidationRequest,
     ConsolidationResponse,
@@ -45,14 +51,24 @@ from consolidation.api_models import (
     ObservationOut,
     ObservationsPage,
     OperationResponse,
+    OperationsPage,
+    OperationStatus,
     RecoverResponse,
     StatsResponse,
     StatusResponse,
     error_responses,
 )
-from consolidation.api_params import decode_cursor, encode_cursor, scope_param
+from consolidation.api_params import (
+    decode_bank_cursor,
+    decode_cursor,
+    decode_time_cursor,
+    encode_bank_cursor,
+    encode_cursor,
+    encode_time_cursor,
+    scope_param,
+)
 from consolidation.errors import NotFound, ValidationError
-from consolidation.memories import bank_id_problems, parse_memories
+from consolidation.memories import MAX_BANK_ID_CHARS, bank_id_problems, parse_memories
 from consolidation.scopes import normalize_scope
 from consolidation.settings import Settings
 
@@ -121,9 +137,11 @@ def _add_v1_routes(router: fastapi.APIRouter, settings: Settings, pool: asyncpg.
             raise ApiError(
                 422, "invalid_memories", f"a value cannot be stored: {reason}", [reason]
             ) from None
+        operation_id = None
         if settings.auto_consolidate:
-            await queue.submit(pool, bank_id, max_attempts=settings.max_attempts)
-        return IngestResponse(ids=result.ids)
+            submitted = await queue.submit(pool, bank_id, max_attempts=settings.max_attempts)
+            operation_id = submitted.operation.id
+        return IngestResponse(ids=result.ids, operation_id=operation_id)
 
     @router.post(
         "/v1/banks/{bank_id}/consolidations",
@@ -161,6 +179,45 @@ def _add_v1_routes(router: fastapi.APIRouter, settings: Settings, pool: asyncpg.
         """An operation's status, progress and result (its merged PerfLog)."""
         op = await _operation_or_404(queue.get_operation(pool, operation_id))
         return OperationResponse.model_validate(op.to_json())
+
+    @router.get("/v1/operations", response_model=OperationsPage, summary="List operations")
+    async def list_operations(
+        bank_id: Annotated[
+            str | None,
+            Query(
+                min_length=1,
+                max_length=MAX_BANK_ID_CHARS,
+                pattern=BANK_ID_PATTERN,
+                description="Only this bank's operations.",
+            ),
+        ] = None,
+        status: Annotated[
+            OperationStatus | None, Query(description="Only operations in this status.")
+        ] = None,
+        limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
+        cursor: Annotated[
+            str | None,
+            Query(
+                description="The previous page's next_cursor (opaque).",
+                json_schema_extra={"pattern": TIME_CURSOR_PATTERN},
+            ),
+        ] = None,
+    ) -> OperationsPage:
+        """Operations newest first, one page at a time; the objects of ``GET
+        /v1/operations/{operation_id}``."""
+        if bank_id is not None:
+            _check_bank_id(bank_id)
+        before = decode_time_cursor(cursor) if cursor is not None else None
+        rows = await queue.list_operations(
+            pool, bank_id=bank_id, status=status, before=before, limit=limit + 1
+        )
+        page = rows[:limit]
+        return OperationsPage(
+            operations=[OperationResponse.model_validate(op.to_json()) for op in page],
+            next_cursor=(
+                encode_time_cursor(page[-1].created_at, page[-1].id) if len(rows) > limit else None
+            ),
+        )
 
     @router.post(
         "/v1/operations/{operation_id}/cancel",
@@ -220,18 +277,33 @@ def _add_v1_routes(router: fastapi.APIRouter, settings: Settings, pool: asyncpg.
             next_cursor=encode_cursor(page[-1].id) if len(rows) > limit else None,
         )
 
+    @router.get("/v1/banks", response_model=BanksPage, summary="List banks")
+    async def list_banks(
+        limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
+        cursor: Annotated[
+            str | None,
+            Query(
+                description="The previous page's next_cursor (opaque).",
+                json_schema_extra={"pattern": BANK_CURSOR_PATTERN},
+            ),
+        ] = None,
+    ) -> BanksPage:
+        """Banks ordered by id, each with the stats of ``GET /v1/banks/{bank_id}/stats``."""
+        after = decode_bank_cursor(cursor) if cursor is not None else None
+        rows = await store.list_banks(pool, after=after, limit=limit + 1)
+        page = rows[:limit]
+        return BanksPage(
+            banks=[
+                BankOut(bank_id=b.id, created_at=b.created_at, **_stats_json(b.stats)) for b in page
+            ],
+            next_cursor=encode_bank_cursor(page[-1].id) if len(rows) > limit else None,
+        )
+
     @router.get("/v1/banks/{bank_id}/stats", response_model=StatsResponse, summary="Bank stats")
     async def bank_stats(bank_id: BankId) -> StatsResponse:
         """Memory counts by state, observation count, and the oldest pending memory's age."""
         await _require_bank(pool, bank_id)
-        stats = await store.bank_stats(pool, bank_id)
-        return StatsResponse(
-            pending=stats.pending,
-            consolidated=stats.consolidated,
-            failed=stats.failed,
-            observations=stats.observations,
-            oldest_pending_age_s=stats.oldest_pending_age_s,
-        )
+        return StatsResponse(**_stats_json(await store.bank_stats(pool, bank_id)))
 
     @router.post(
         "/v1/banks/{bank_id}/memories/recover",
@@ -296,6 +368,10 @@ def _add_probe_routes(
 
 
 # --- helpers ---------------------------------------------------------------------------------
+
+
+def _stats_json(stats: store.BankStats) -> dict[str, Any]:
+    return dataclasses.asdict(stats)
 
 
 def _check_bank_id(bank_id: str) -> None:

@@ -38,6 +38,8 @@ BANK_ID_PATTERN = r"^[^\x00-\x1f]*[^\x00-\x1f\s][^\x00-\x1f]*$"
 _LISTED_TAG = r"[^\x00-\x1f\x7f,]*[^\x00-\x1f\x7f,\s][^\x00-\x1f\x7f,]*"
 SCOPE_PARAM_PATTERN = rf"^(?:{_LISTED_TAG}(?:,{_LISTED_TAG})*)?$"
 CURSOR_PATTERN = r"^[A-Za-z0-9_-]{21}[AQgw]$"
+TIME_CURSOR_PATTERN = r"^[A-Za-z0-9_-]{32}$"
+BANK_CURSOR_PATTERN = r"^[A-Za-z0-9_-]+$"
 
 
 def _checked_tag(value: str) -> str:
@@ -99,6 +101,10 @@ class IngestRequest(BaseModel):
 
 class IngestResponse(BaseModel):
     ids: list[uuid.UUID] = Field(description="The memories' ids, in input order.")
+    operation_id: uuid.UUID | None = Field(
+        description="The consolidation this ingestion enqueued or joined (an already pending "
+        "one); null when nothing was enqueued (CONSOLIDATION_AUTO_CONSOLIDATE=false)."
+    )
 
 
 class ConsolidationRequest(BaseModel):
@@ -133,6 +139,11 @@ class OperationResponse(BaseModel):
     finished_at: datetime | None
 
 
+class OperationsPage(BaseModel):
+    operations: list[OperationResponse] = Field(description="Newest first.")
+    next_cursor: str | None = Field(description="Pass as ?cursor= for the next page; null at end.")
+
+
 class CancelResponse(BaseModel):
     operation_id: uuid.UUID
     status: OperationStatus
@@ -157,6 +168,16 @@ class StatsResponse(BaseModel):
     failed: int
     observations: int
     oldest_pending_age_s: float | None
+
+
+class BankOut(StatsResponse):
+    bank_id: str
+    created_at: datetime
+
+
+class BanksPage(BaseModel):
+    banks: list[BankOut] = Field(description="Ordered by bank id.")
+    next_cursor: str | None = Field(description="Pass as ?cursor= for the next page; null at end.")
 
 
 class RecoverResponse(BaseModel):
