@@ -31,7 +31,7 @@ from consolidation.api_errors import (
     database_unavailable,
     error_response,
 )
-from consolidation.api_guard import MAX_BODY_BYTES, Guard
+from consolidation.api_guard import MAX_BODY_BYTES, Credentials, Guard
 from consolidation.api_json import OrjsonRoute
 from consolidation.api_models import (
     BANK_CURSOR_PATTERN,
@@ -59,18 +59,21 @@ from consolidation.api_models import (
     error_responses,
 )
 from consolidation.api_params import (
+    check_bank_id,
     decode_bank_cursor,
     decode_cursor,
     decode_time_cursor,
     encode_bank_cursor,
     encode_cursor,
     encode_time_cursor,
+    require_bank,
     scope_param,
 )
 from consolidation.errors import NotFound, ValidationError
-from consolidation.memories import MAX_BANK_ID_CHARS, bank_id_problems, parse_memories
+from consolidation.memories import MAX_BANK_ID_CHARS, parse_memories
 from consolidation.scopes import normalize_scope
 from consolidation.settings import Settings
+from consolidation.ui import add_ui_routes
 
 __all__ = ["MAX_BODY_BYTES", "create_app"]
 
@@ -97,7 +100,8 @@ def create_app(
         redoc_url=None,
         redirect_slashes=False,
     )
-    app.add_middleware(Guard, api_key=api_key or None)
+    credentials = Credentials(api_key or None)
+    app.add_middleware(Guard, credentials=credentials)
     add_exception_handlers(app)
 
     # Enforced by Guard (api_guard.py); declared here so the OpenAPI document shows the scheme.
@@ -110,6 +114,7 @@ def create_app(
     _add_v1_routes(v1, settings, pool)
     app.include_router(v1)
     _add_probe_routes(app, pool, contact, settings.lease_s)
+    add_ui_routes(app, pool, credentials)
     return app
 
 
@@ -123,7 +128,7 @@ def _add_v1_routes(router: fastapi.APIRouter, settings: Settings, pool: asyncpg.
     )
     async def ingest_memories(bank_id: BankId, body: IngestRequest) -> IngestResponse:
         """Store up to 1,000 memories, all or nothing; re-sending an ``id`` is a no-op."""
-        _check_bank_id(bank_id)
+        check_bank_id(bank_id)
         try:
             memories = parse_memories(body.memories)
         except ValidationError as exc:
@@ -153,7 +158,7 @@ def _add_v1_routes(router: fastapi.APIRouter, settings: Settings, pool: asyncpg.
         bank_id: BankId, body: ConsolidationRequest | None = None
     ) -> ConsolidationResponse:
         """Enqueue a consolidation; an unscoped one joins an already pending one."""
-        await _require_bank(pool, bank_id)
+        await require_bank(pool, bank_id)
         body = body or ConsolidationRequest()
         scopes = None
         if body.scopes is not None:
@@ -206,7 +211,7 @@ def _add_v1_routes(router: fastapi.APIRouter, settings: Settings, pool: asyncpg.
         """Operations newest first, one page at a time; the objects of ``GET
         /v1/operations/{operation_id}``."""
         if bank_id is not None:
-            _check_bank_id(bank_id)
+            check_bank_id(bank_id)
         before = decode_time_cursor(cursor) if cursor is not None else None
         rows = await queue.list_operations(
             pool, bank_id=bank_id, status=status, before=before, limit=limit + 1
@@ -258,7 +263,7 @@ def _add_v1_routes(router: fastapi.APIRouter, settings: Settings, pool: asyncpg.
         """Observations of a bank ordered by id, one page at a time."""
         scope_filter = scope_param(scope)
         after = decode_cursor(cursor) if cursor is not None else None
-        await _require_bank(pool, bank_id)
+        await require_bank(pool, bank_id)
         rows = await store.list_observations(
             pool, bank_id, scope=scope_filter, after=after, limit=limit + 1
         )
@@ -302,7 +307,7 @@ def _add_v1_routes(router: fastapi.APIRouter, settings: Settings, pool: asyncpg.
     @router.get("/v1/banks/{bank_id}/stats", response_model=StatsResponse, summary="Bank stats")
     async def bank_stats(bank_id: BankId) -> StatsResponse:
         """Memory counts by state, observation count, and the oldest pending memory's age."""
-        await _require_bank(pool, bank_id)
+        await require_bank(pool, bank_id)
         return StatsResponse(**_stats_json(await store.bank_stats(pool, bank_id)))
 
     @router.post(
@@ -312,7 +317,7 @@ def _add_v1_routes(router: fastapi.APIRouter, settings: Settings, pool: asyncpg.
     )
     async def recover_failed(bank_id: BankId) -> RecoverResponse:
         """Clear failed markers so those memories are consolidated again."""
-        await _require_bank(pool, bank_id)
+        await require_bank(pool, bank_id)
         recovered = await store.recover_failed(pool, bank_id)
         if recovered and settings.auto_consolidate:
             await queue.submit(pool, bank_id, max_attempts=settings.max_attempts)
@@ -372,18 +377,6 @@ def _add_probe_routes(
 
 def _stats_json(stats: store.BankStats) -> dict[str, Any]:
     return dataclasses.asdict(stats)
-
-
-def _check_bank_id(bank_id: str) -> None:
-    problems = bank_id_problems(bank_id)
-    if problems:
-        raise ApiError(422, "invalid_bank_id", problems[0], problems)
-
-
-async def _require_bank(pool: asyncpg.Pool, bank_id: str) -> None:
-    _check_bank_id(bank_id)
-    if not await store.bank_exists(pool, bank_id):
-        raise ApiError(404, "bank_not_found", f"bank {bank_id!r} does not exist")
 
 
 async def _operation_or_404(call: Awaitable[queue.Operation]) -> queue.Operation:

@@ -1,4 +1,4 @@
-"""Query parameters of the API that need more than a type: a scope, and opaque page cursors."""
+"""Parameters of the API that need more than a type: a bank id, a scope, opaque page cursors."""
 
 from __future__ import annotations
 
@@ -8,12 +8,29 @@ import struct
 import uuid
 from datetime import UTC, datetime, timedelta
 
+import asyncpg
+
+from consolidation import store
 from consolidation.api_errors import ApiError
-from consolidation.memories import MAX_BANK_ID_CHARS
+from consolidation.memories import MAX_BANK_ID_CHARS, bank_id_problems
 from consolidation.scopes import MAX_TAGS, Scope, normalize_scope, tag_problem
 
 # The longest cursor: a bank id of MAX_BANK_ID_CHARS four-byte characters.
 MAX_CURSOR_CHARS = (MAX_BANK_ID_CHARS * 4 * 4 + 2) // 3
+
+
+def check_bank_id(bank_id: str) -> None:
+    """Raise a 422 unless ``bank_id`` is usable as a bank id (memories.bank_id_problems)."""
+    problems = bank_id_problems(bank_id)
+    if problems:
+        raise ApiError(422, "invalid_bank_id", problems[0], problems)
+
+
+async def require_bank(pool: asyncpg.Pool, bank_id: str) -> None:
+    """Raise a 422 for an unusable bank id, a 404 for a bank that does not exist."""
+    check_bank_id(bank_id)
+    if not await store.bank_exists(pool, bank_id):
+        raise ApiError(404, "bank_not_found", f"bank {bank_id!r} does not exist")
 
 
 def scope_param(value: str | None) -> Scope | None:
