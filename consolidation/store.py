@@ -261,7 +261,7 @@ async def list_scopes(
         bank_id,
         limit,
     )
-    return [(tuple(r["scope"]), r["n"]) for r in rows]
+    return [(scope_from_db(r["scope"]), r["n"]) for r in rows]
 
 
 @dataclass(frozen=True)

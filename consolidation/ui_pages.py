@@ -318,8 +318,9 @@ def _failed_section(
     recover = (
         f'<button type="button" data-kind="recover" '
         f'data-action="POST /v1/banks/{h(quote(bank_id, safe=""))}/memories/recover" '
-        f'data-confirm="Clear the failed marker of {_count(count, "memory", "memories")} of '
-        f'bank {h(bank_id)} so that they are consolidated again?" '
+        f'data-confirm="Retry {_count(count, "failed memory", "failed memories")} of bank '
+        f"{h(bank_id)}? Their failed markers are cleared so that the next consolidation takes "
+        f'them again." '
         f'data-confirm-label="Recover" data-confirm-style="primary">'
         f"Recover {count} failed</button>"
     )

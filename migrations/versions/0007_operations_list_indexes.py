@@ -5,7 +5,7 @@ have operations_bank_idx. Built without CONCURRENTLY like the rest of the schema
 a million operations the build holds writes to it for about a second.
 
 Revision ID: 0007
-Revises: 0003
+Revises: 0004
 Create Date: 2026-11-23
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from alembic import op
 
 revision: str = "0007"
-down_revision: str | None = "0003"
+down_revision: str | None = "0004"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
