@@ -117,7 +117,9 @@ def add_ui_routes(app: fastapi.FastAPI, pool: asyncpg.Pool, credentials: Credent
         "observations. With an API key it asks for the key once and keeps a session cookie.",
         responses={303: {"description": "To /ui/login when an API key is set and not given."}},
     )
-    async def dashboard(request: Request, cursor: str | None = None) -> Response:
+    async def dashboard(
+        request: Request, cursor: Annotated[str | None, Query(include_in_schema=False)] = None
+    ) -> Response:
         return await render(request, banks_view(request, cursor))
 
     @router.get("/ui/")
