@@ -53,9 +53,11 @@ from consolidation.api_models import (
     OperationResponse,
     OperationsPage,
     OperationStatus,
+    PageLimit,
     RecoverResponse,
     StatsResponse,
     StatusResponse,
+    cursor_query,
     error_responses,
 )
 from consolidation.api_params import (
@@ -79,7 +81,6 @@ __all__ = ["MAX_BODY_BYTES", "create_app"]
 
 log = structlog.get_logger(__name__)
 
-MAX_PAGE = 1000
 READY_TIMEOUT_S = 2.0
 
 
@@ -199,14 +200,8 @@ def _add_v1_routes(router: fastapi.APIRouter, settings: Settings, pool: asyncpg.
         status: Annotated[
             OperationStatus | None, Query(description="Only operations in this status.")
         ] = None,
-        limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
-        cursor: Annotated[
-            str | None,
-            Query(
-                description="The previous page's next_cursor (opaque).",
-                json_schema_extra={"pattern": TIME_CURSOR_PATTERN},
-            ),
-        ] = None,
+        limit: PageLimit = 100,
+        cursor: Annotated[str | None, cursor_query(TIME_CURSOR_PATTERN)] = None,
     ) -> OperationsPage:
         """Operations newest first, one page at a time; the objects of ``GET
         /v1/operations/{operation_id}``."""
@@ -251,14 +246,8 @@ def _add_v1_routes(router: fastapi.APIRouter, settings: Settings, pool: asyncpg.
                 json_schema_extra={"pattern": SCOPE_PARAM_PATTERN},
             ),
         ] = None,
-        limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
-        cursor: Annotated[
-            str | None,
-            Query(
-                description="The previous page's next_cursor (opaque).",
-                json_schema_extra={"pattern": CURSOR_PATTERN},
-            ),
-        ] = None,
+        limit: PageLimit = 100,
+        cursor: Annotated[str | None, cursor_query(CURSOR_PATTERN)] = None,
     ) -> ObservationsPage:
         """Observations of a bank ordered by id, one page at a time."""
         scope_filter = scope_param(scope)
@@ -284,14 +273,8 @@ def _add_v1_routes(router: fastapi.APIRouter, settings: Settings, pool: asyncpg.
 
     @router.get("/v1/banks", response_model=BanksPage, summary="List banks")
     async def list_banks(
-        limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = 100,
-        cursor: Annotated[
-            str | None,
-            Query(
-                description="The previous page's next_cursor (opaque).",
-                json_schema_extra={"pattern": BANK_CURSOR_PATTERN},
-            ),
-        ] = None,
+        limit: PageLimit = 100,
+        cursor: Annotated[str | None, cursor_query(BANK_CURSOR_PATTERN)] = None,
     ) -> BanksPage:
         """Banks ordered by id, each with the stats of ``GET /v1/banks/{bank_id}/stats``."""
         after = decode_bank_cursor(cursor) if cursor is not None else None

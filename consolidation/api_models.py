@@ -10,7 +10,7 @@ import uuid
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from fastapi import Path
+from fastapi import Path, Query
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -27,6 +27,7 @@ from consolidation.scopes import MAX_TAG_CHARS, MAX_TAGS, tag_problem
 MAX_MEMORIES_PER_REQUEST = 1000
 MAX_SCOPES_PER_REQUEST = 100
 MAX_PRIORITY = 1000
+MAX_PAGE = 1000
 
 # Tags are checked by scopes.tag_problem, the one rule for the API, the CLI and ingestion; the
 # pattern only documents that rule in /openapi.json (tests/unit/test_api_models.py keeps them in
@@ -66,6 +67,15 @@ BankId = Annotated[
     ),
 ]
 OperationStatus = Literal["pending", "running", "completed", "failed", "cancelled"]
+PageLimit = Annotated[int, Query(ge=1, le=MAX_PAGE, description="At most this many per page.")]
+
+
+def cursor_query(pattern: str) -> Any:
+    """The ``?cursor=`` of a list route, documented with the spelling its cursors have."""
+    return Query(
+        description="The previous page's next_cursor (opaque).",
+        json_schema_extra={"pattern": pattern},
+    )
 
 
 class MemoryIn(BaseModel):
