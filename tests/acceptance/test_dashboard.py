@@ -32,8 +32,8 @@ pytestmark = pytest.mark.acceptance
 
 @pytest.fixture
 def slow_fake() -> Any:
-    # Slow enough that a 40-memory operation runs for several seconds, one wave at a time.
-    with FakeLLMServer(FakeLLMConfig(latency_ms=300)) as server:
+    # Slow enough that a 60-memory operation runs for 12 s or more, one wave at a time.
+    with FakeLLMServer(FakeLLMConfig(latency_ms=400)) as server:
         yield server
 
 
@@ -103,14 +103,14 @@ async def test_the_dashboard_follows_progress_cancels_after_confirming_and_recov
         await wait_for(carol_completed, timeout_s=60, what="carol's operation to complete")
         assert await markers(pool, "carol") == {"consolidated": 2, "failed": 1, "pending": 0}
 
-        # alice: forty memories in waves of two, each wave a 300 ms LLM call: a long operation.
+        # alice: sixty memories in waves of two, each wave a 400 ms LLM call: a long operation,
+        # started once the browser is up.
         await _ingest(
             client,
             "alice",
-            [f"Alice tried tea blend number {i} and rated it {i % 5 + 1} of 5" for i in range(40)],
+            [f"Alice tried tea blend number {i} and rated it {i % 5 + 1} of 5" for i in range(60)],
             "alice",
         )
-        alice_op = await _consolidate(client, "alice")
 
         with chromium(tmp_path / "profile") as driver:
             driver.get(f"{base}/ui")
@@ -124,6 +124,7 @@ async def test_the_dashboard_follows_progress_cancels_after_confirming_and_recov
 
             # The operations view refreshes itself: the running operation's progress moves
             # while the test never reloads the page.
+            alice_op = await _consolidate(client, "alice")
             driver.get(f"{base}/ui/operations")
             row = f'tr[data-operation="{alice_op}"]'
             first = wait(
