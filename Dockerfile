@@ -18,9 +18,13 @@ RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels \
     && useradd --system --uid 10001 --home-dir /data --create-home consolidation
 USER consolidation
 WORKDIR /data
+# The embedded Postgres (no CONSOLIDATION_DATABASE_URL) lives here: a volume, so `docker rm`
+# does not take it along. Name it to find it again: docker run -v consolidation-data:/data …
+VOLUME ["/data"]
 EXPOSE 8080
+# The service's readiness on whatever port it was given (the fake LLM overrides this check).
 HEALTHCHECK --interval=10s --timeout=3s --start-period=20s --retries=3 \
-    CMD ["python", "-c", "import sys, urllib.request; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8080/readyz', timeout=2).status == 200 else 1)"]
+    CMD ["python", "-c", "import os, sys, urllib.request; port = os.environ.get('CONSOLIDATION_HTTP_PORT', '8080'); sys.exit(0 if urllib.request.urlopen(f'http://127.0.0.1:{port}/readyz', timeout=2).status == 200 else 1)"]
 # SIGTERM drains gracefully (CONSOLIDATION_SHUTDOWN_GRACE_S); give it time to.
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["consolidation"]

@@ -66,7 +66,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from consolidation import offline, prompts
 from consolidation.fake_embeddings import DEFAULT_DIMENSIONS, embed_text
-from consolidation.service import listen_socket
+from consolidation.llm import estimate_tokens
+from consolidation.net import listen_socket, socket_url
 
 __all__ = ["FakeEmbeddingsConfig", "FakeLLMConfig", "FakeLLMServer", "create_app", "serve"]
 
@@ -133,7 +134,6 @@ class _Parsed:
     bank: str | None
     scope: tuple[str, ...] | None
     fact_texts: tuple[str, ...]
-    prompt_chars: int
     response_format: str | None
     problem: str | None
     schema: bool = False
@@ -205,7 +205,6 @@ def _parse(body: bytes) -> _Parsed:
     """Read the request leniently; ``problem`` says why it cannot be answered (→ 400)."""
     model = "fake"
     user: dict[str, Any] | None = None
-    prompt_chars = 0
     response_format: str | None = None
     schema = False
     max_tokens: int | None = None
@@ -214,7 +213,7 @@ def _parse(body: bytes) -> _Parsed:
     except orjson.JSONDecodeError:
         request = None
     if not isinstance(request, dict):
-        return _Parsed(model, None, None, None, (), 0, None, "request body is not a JSON object")
+        return _Parsed(model, None, None, None, (), None, "request body is not a JSON object")
     if isinstance(request.get("model"), str):
         model = request["model"]
     fmt = request.get("response_format")
@@ -231,13 +230,11 @@ def _parse(body: bytes) -> _Parsed:
     for message in raw_messages if isinstance(raw_messages, list) else []:
         if isinstance(message, dict) and isinstance(message.get("content"), str):
             messages.append((str(message.get("role")), message["content"]))
-            prompt_chars += len(message["content"])
     # The §3 object is in the first user message; later ones are repair notes.
     user_content = next((content for role, content in messages if role == "user"), None)
     parsed = functools.partial(
         _Parsed,
         model=model,
-        prompt_chars=prompt_chars,
         response_format=response_format,
         schema=schema,
         max_tokens=max_tokens,
@@ -303,10 +300,6 @@ def _refusal(dialect: str, parsed: _Parsed) -> _Plan | None:
     return None
 
 
-def _tokens(text: str) -> int:
-    return (len(text) + 3) // 4
-
-
 def _answer_content(parsed: _Parsed, config: FakeLLMConfig) -> tuple[str, str, int]:
     """The assistant content, finish_reason and completion tokens for a request, poison
     markers, thinking, ``max_tokens`` and padding applied."""
@@ -314,7 +307,7 @@ def _answer_content(parsed: _Parsed, config: FakeLLMConfig) -> tuple[str, str, i
     for text in parsed.fact_texts:
         if ANSWER_MARKER in text:
             content = text.split(ANSWER_MARKER, 1)[1]
-            return content, "stop", _tokens(content)
+            return content, "stop", estimate_tokens(content)
     if config.drop_system and not parsed.instructed_user:
         # The template dropped the instructions: the model never learnt what to answer.
         content = _UNINSTRUCTED
@@ -340,7 +333,7 @@ def _answer_content(parsed: _Parsed, config: FakeLLMConfig) -> tuple[str, str, i
         content = orjson.dumps(answer).decode()
     if config.think:
         content = _THINKING + content
-    tokens = _tokens(content)
+    tokens = estimate_tokens(content)
     limit = parsed.max_tokens
     if config.honour_max_tokens and limit is not None and tokens > limit:
         return content[: limit * 4], "length", limit
@@ -670,7 +663,7 @@ class _FakeLLM:
             return Response(orjson.dumps(body), media_type="application/json")
         if plan.content is not None:
             content, finish_reason = plan.content, plan.finish_reason
-            completion_tokens = _tokens(content)
+            completion_tokens = estimate_tokens(content)
         else:
             try:
                 content, finish_reason, completion_tokens = _answer_content(parsed, config)
@@ -682,13 +675,14 @@ class _FakeLLM:
             self._next_id += 1
             completion_id = f"chatcmpl-fake-{self._next_id}"
         # A template that drops the system message never shows it to the model.
-        prompt_chars = parsed.prompt_chars - sum(
-            len(text) for role, text in parsed.messages if role == "system" and config.drop_system
+        prompt_tokens = sum(
+            estimate_tokens(text)
+            for role, text in parsed.messages
+            if not (role == "system" and config.drop_system)
         )
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if config.reasoning_content:
             message["reasoning_content"] = _REASONING
-        prompt_tokens = (prompt_chars + 3) // 4
         payload = {
             "id": completion_id,
             "object": "chat.completion",
@@ -947,13 +941,6 @@ def create_app(config: FakeLLMConfig) -> ASGIApp:
     return _FakeLLM(config).app
 
 
-def _base_url(sock: socket.socket) -> str:
-    host, port = sock.getsockname()[:2]
-    if ":" in host:
-        host = f"[{host}]"
-    return f"http://{host}:{port}/v1"
-
-
 class _Server(uvicorn.Server):
     """uvicorn server that answers hanging requests before waiting for them, so stopping the
     fake (Ctrl-C, ``FakeLLMServer.stop``) is prompt and clean."""
@@ -978,7 +965,7 @@ def serve(host: str, port: int, config: FakeLLMConfig) -> None:
     server = _Server(_FakeLLM(config), lifespan="off", timeout_graceful_shutdown=2)
     log.info(
         "fake_llm_listening",
-        url=_base_url(sock),
+        url=socket_url(sock) + "/v1",
         **{k: v for k, v in dataclasses.asdict(config).items() if k != "api_key"},
         auth=config.api_key is not None,
     )
@@ -997,7 +984,7 @@ class FakeLLMServer:
     def __init__(self, config: FakeLLMConfig | None = None) -> None:
         self._fake = _FakeLLM(config or FakeLLMConfig())
         self._socket = listen_socket("127.0.0.1", 0)
-        self.url: str = _base_url(self._socket)
+        self.url: str = socket_url(self._socket) + "/v1"
         # log_config=None: a test helper must not reconfigure the process's logging.
         self._server = _Server(self._fake, lifespan="off", timeout_graceful_shutdown=1)
         self._thread: threading.Thread | None = None

@@ -450,5 +450,31 @@ async def get_operation(
     return _operation(row)
 
 
+# Newest first, keyset-paginated on (created_at, id); migration 0007's indexes serve every filter.
+LIST_OPERATIONS = f"""
+SELECT {OPERATION_COLUMNS} FROM operations
+WHERE ($1::text IS NULL OR bank_id = $1)
+  AND ($2::text IS NULL OR status = $2)
+  AND ($3::timestamptz IS NULL OR (created_at, id) < ($3::timestamptz, $4::uuid))
+ORDER BY created_at DESC, id DESC
+LIMIT $5
+"""
+
+
+async def list_operations(
+    pool: asyncpg.Pool | asyncpg.Connection,
+    *,
+    bank_id: str | None = None,
+    status: str | None = None,
+    before: tuple[datetime, uuid.UUID] | None = None,
+    limit: int = 100,
+) -> list[Operation]:
+    """Operations, newest first, optionally of one bank and/or in one status; ``before`` is the
+    (created_at, id) of the previous page's last operation."""
+    created_at, last_id = before if before is not None else (None, None)
+    rows = await pool.fetch(LIST_OPERATIONS, bank_id, status, created_at, last_id, limit)
+    return [_operation(r) for r in rows]
+
+
 def _operation(row: asyncpg.Record) -> Operation:
     return Operation(**{k: row[k] for k in Operation.__dataclass_fields__})

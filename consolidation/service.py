@@ -21,6 +21,7 @@ import uvicorn
 
 from consolidation.errors import ConfigError
 from consolidation.metrics import EventLoopLagMonitor
+from consolidation.net import listen_socket, socket_url
 from consolidation.runtime import open_runtime
 from consolidation.settings import Settings
 from consolidation.worker import Worker
@@ -34,29 +35,6 @@ class _ApiServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
-
-
-def listen_socket(host: str, port: int) -> socket.socket:
-    """A bound, listening TCP socket (port 0 picks one); raises OSError.
-
-    Listening at once means clients that connect before uvicorn has started wait in the backlog
-    instead of being refused, so a URL logged right after this is already true.
-
-    The protocol is named (``IPPROTO_TCP``, not 0): asyncio sets ``TCP_NODELAY`` only on
-    accepted sockets whose ``proto`` says TCP, and without it every response uvicorn writes in
-    two pieces (headers, then body) waits ~40 ms for the client's delayed ACK (Nagle).
-    """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-        sock.listen(2048)
-    except OSError:
-        sock.close()
-        raise
-    sock.set_inheritable(True)
-    return sock
 
 
 def _api_socket(settings: Settings) -> socket.socket:
@@ -108,10 +86,8 @@ async def serve(settings: Settings, *, api: bool = True, worker: bool = True) ->
                 )
             )
             tasks.append(asyncio.create_task(server.serve(sockets=[sock]), name="api"))
-            host, port = sock.getsockname()[:2]
-            log.info(
-                "api_listening", url=f"http://{host}:{port}", docs=f"http://{host}:{port}/docs"
-            )
+            url = socket_url(sock)
+            log.info("api_listening", url=url, docs=f"{url}/docs")
         loop_kind = type(asyncio.get_running_loop()).__module__.split(".")[0]
         log.info("service_started", api=api, worker=worker, event_loop=loop_kind)
 

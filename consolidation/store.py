@@ -94,24 +94,59 @@ class BankStats:
     oldest_pending_age_s: float | None
 
 
-BANK_STATS = """
-SELECT
-  (SELECT count(*) FROM memories
-    WHERE bank_id = $1 AND consolidated_at IS NULL AND consolidation_failed_at IS NULL) AS pending,
-  (SELECT count(*) FROM memories
-    WHERE bank_id = $1 AND consolidated_at IS NOT NULL) AS consolidated,
-  (SELECT count(*) FROM memories
-    WHERE bank_id = $1 AND consolidation_failed_at IS NOT NULL) AS failed,
-  (SELECT count(*) FROM observations WHERE bank_id = $1) AS observations,
-  (SELECT extract(epoch FROM now() - min(created_at))::float8 FROM memories
-    WHERE bank_id = $1 AND consolidated_at IS NULL AND consolidation_failed_at IS NULL)
-    AS oldest_pending_age_s
+# One bank's stats from one pass over its memories; also the rows of the bank list.
+BANKS_WITH_STATS = """
+SELECT b.id, b.created_at, m.pending, m.consolidated, m.failed, m.oldest_pending_age_s,
+       (SELECT count(*) FROM observations o WHERE o.bank_id = b.id) AS observations
+FROM banks b
+CROSS JOIN LATERAL (
+    SELECT count(*) FILTER (WHERE pending) AS pending,
+           count(*) FILTER (WHERE consolidated_at IS NOT NULL) AS consolidated,
+           count(*) FILTER (WHERE consolidation_failed_at IS NOT NULL) AS failed,
+           extract(epoch FROM now() - min(created_at) FILTER (WHERE pending))::float8
+               AS oldest_pending_age_s
+    FROM (SELECT created_at, consolidated_at, consolidation_failed_at,
+                 consolidated_at IS NULL AND consolidation_failed_at IS NULL AS pending
+          FROM memories WHERE bank_id = b.id) bank_memories
+) m
 """
+
+BANK_STATS = BANKS_WITH_STATS + "WHERE b.id = $1"
+
+LIST_BANKS = BANKS_WITH_STATS + "WHERE ($1::text IS NULL OR b.id > $1) ORDER BY b.id LIMIT $2"
+
+
+def _bank_stats(row: asyncpg.Record | None) -> BankStats:
+    if row is None:
+        return BankStats(0, 0, 0, 0, None)
+    return BankStats(
+        pending=row["pending"],
+        consolidated=row["consolidated"],
+        failed=row["failed"],
+        observations=row["observations"],
+        oldest_pending_age_s=row["oldest_pending_age_s"],
+    )
 
 
 async def bank_stats(conn: asyncpg.Connection | asyncpg.Pool, bank_id: str) -> BankStats:
-    row = await conn.fetchrow(BANK_STATS, bank_id)
-    return BankStats(**dict(row))
+    """Memory counts by state, observations, and the oldest pending memory's age (zeros for a
+    bank that does not exist)."""
+    return _bank_stats(await conn.fetchrow(BANK_STATS, bank_id))
+
+
+@dataclass(frozen=True)
+class BankRow:
+    id: str
+    created_at: datetime
+    stats: BankStats
+
+
+async def list_banks(
+    conn: asyncpg.Connection | asyncpg.Pool, *, after: str | None = None, limit: int = 100
+) -> list[BankRow]:
+    """Banks ordered by id with their stats, keyset-paginated (``after`` the last id seen)."""
+    rows = await conn.fetch(LIST_BANKS, after, limit)
+    return [BankRow(id=r["id"], created_at=r["created_at"], stats=_bank_stats(r)) for r in rows]
 
 
 async def bank_exists(conn: asyncpg.Connection | asyncpg.Pool, bank_id: str) -> bool:
@@ -172,6 +207,80 @@ async def recover_failed(conn: asyncpg.Connection | asyncpg.Pool, bank_id: str) 
         bank_id,
     )
     return int(status.split()[-1])
+
+
+@dataclass(frozen=True)
+class FailedMemory:
+    id: uuid.UUID
+    text: str
+    tags: tuple[str, ...]
+    failed_at: datetime
+    reason: str | None
+
+
+# Most recent failures first, keyset-paginated on (consolidation_failed_at, id).
+LIST_FAILED = """
+SELECT id, text, tags, consolidation_failed_at, consolidation_failed_reason
+FROM memories
+WHERE bank_id = $1 AND consolidation_failed_at IS NOT NULL
+  AND ($2::timestamptz IS NULL OR (consolidation_failed_at, id) < ($2::timestamptz, $3::uuid))
+ORDER BY consolidation_failed_at DESC, id DESC
+LIMIT $4
+"""
+
+
+async def list_failed_memories(
+    conn: asyncpg.Connection | asyncpg.Pool,
+    bank_id: str,
+    *,
+    before: tuple[datetime, uuid.UUID] | None = None,
+    limit: int = 100,
+) -> list[FailedMemory]:
+    """A bank's memories marked failed, with the reason the engine recorded, newest first."""
+    failed_at, last_id = before if before is not None else (None, None)
+    rows = await conn.fetch(LIST_FAILED, bank_id, failed_at, last_id, limit)
+    return [
+        FailedMemory(
+            id=r["id"],
+            text=r["text"],
+            tags=tuple(r["tags"]),
+            failed_at=r["consolidation_failed_at"],
+            reason=r["consolidation_failed_reason"],
+        )
+        for r in rows
+    ]
+
+
+async def list_scopes(
+    conn: asyncpg.Connection | asyncpg.Pool, bank_id: str, limit: int
+) -> list[tuple[Scope, int]]:
+    """The scopes of a bank's observations with how many each has, in scope order."""
+    rows = await conn.fetch(
+        "SELECT scope, count(*) AS n FROM observations WHERE bank_id = $1"
+        " GROUP BY scope ORDER BY scope LIMIT $2",
+        bank_id,
+        limit,
+    )
+    return [(scope_from_db(r["scope"]), r["n"]) for r in rows]
+
+
+@dataclass(frozen=True)
+class MemoryText:
+    id: uuid.UUID
+    text: str
+    tags: tuple[str, ...]
+
+
+async def memory_texts(
+    conn: asyncpg.Connection | asyncpg.Pool, bank_id: str, ids: Sequence[uuid.UUID]
+) -> dict[uuid.UUID, MemoryText]:
+    """Text and tags of the given memories of one bank (ids of other banks are left out)."""
+    rows = await conn.fetch(
+        "SELECT id, text, tags FROM memories WHERE bank_id = $1 AND id = ANY($2::uuid[])",
+        bank_id,
+        list(ids),
+    )
+    return {r["id"]: MemoryText(r["id"], r["text"], tuple(r["tags"])) for r in rows}
 
 
 RESET_BANK = [

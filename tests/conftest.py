@@ -10,6 +10,8 @@ the package), started once per session only when such a test runs, with its own 
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import os
 import tempfile
 import uuid
@@ -21,6 +23,8 @@ import pytest
 
 from consolidation import db
 from consolidation.fake_llm import FakeLLMConfig, FakeLLMServer
+
+CONTAINER_IMAGE = "postgres:16-alpine"
 
 
 def _with_database(url: str, name: str) -> str:
@@ -38,26 +42,57 @@ def _docker_answers() -> bool:
         return False
 
 
+@functools.cache
+def _database_server() -> str:
+    """Which server the run uses: "url" (TEST_DATABASE_URL), "docker" or "embedded"."""
+    if os.environ.get("TEST_DATABASE_URL"):
+        return "url"
+    return "docker" if _docker_answers() else "embedded"
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    kind = _database_server()
+    if kind == "docker":
+        return f"database server: testcontainers {CONTAINER_IMAGE} (a Docker engine answers)"
+    if kind == "embedded":
+        return "database server: embedded Postgres (pgserver; no TEST_DATABASE_URL, no Docker)"
+    url = os.environ["TEST_DATABASE_URL"]
+    parts = urlsplit(url)
+    where = f"{parts.hostname}:{parts.port or 5432}"
+    return f"database server: TEST_DATABASE_URL {where}, {_server_version(url)}"
+
+
+def _server_version(url: str) -> str:
+    async def version() -> str:
+        conn = await asyncio.wait_for(asyncpg.connect(url), 5)
+        try:
+            return str(await conn.fetchval("SHOW server_version"))
+        finally:
+            await conn.close()
+
+    try:
+        return f"PostgreSQL {asyncio.run(version())}"
+    except Exception as exc:
+        return f"not answering ({type(exc).__name__}: {exc})"
+
+
 @pytest.fixture(scope="session")
 def pg_admin_url() -> Iterator[str]:
     """A URL to a Postgres server where tests may create and drop databases."""
-    url = os.environ.get("TEST_DATABASE_URL")
-    if url:
-        print(f"\n[tests] database server: TEST_DATABASE_URL ({urlsplit(url).hostname})")
-        yield url
+    kind = _database_server()
+    if kind == "url":
+        yield os.environ["TEST_DATABASE_URL"]
         return
-    if _docker_answers():
+    if kind == "docker":
         from testcontainers.postgres import PostgresContainer
 
-        with PostgresContainer("postgres:16-alpine", driver=None) as container:
-            print("\n[tests] database server: testcontainers postgres:16-alpine")
+        with PostgresContainer(CONTAINER_IMAGE, driver=None) as container:
             yield container.get_connection_url()
         return
     import pgserver
 
     with tempfile.TemporaryDirectory(prefix="consolidation-tests-") as tmp:
         server = pgserver.get_server(tmp, cleanup_mode="stop")
-        print(f"\n[tests] database server: embedded Postgres in {tmp}")
         yield server.get_uri()
         server.cleanup()
 

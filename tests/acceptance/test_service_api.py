@@ -110,37 +110,37 @@ async def test_with_an_api_key_requests_without_it_get_401(
         assert (await client.get("/readyz")).status_code == 200
 
 
-@pytest.mark.parametrize(
-    ("method", "path", "body"),
-    [
-        ("POST", "/v1/banks/b/memories", b"{not json"),
-        ("POST", "/v1/banks/b/memories", b'{"memories": "nope"}'),
-        ("POST", "/v1/banks/b/memories", b'{"memories": [{"text": ""}]}'),
-        ("POST", "/v1/banks/b/consolidations", b'{"priority": "high"}'),
-        ("GET", "/v1/operations/not-a-uuid", None),
-        ("POST", "/v1/operations/00000000-0000-0000-0000-000000000000/cancel", None),
-        ("GET", "/v1/banks/nobank/observations?limit=-1", None),
-        ("GET", "/v1/banks/nobank/stats", None),
-        ("DELETE", "/v1/banks/b/memories", None),
-        ("GET", "/v1/nothing-here", None),
-    ],
-)
+# tests/integration/test_api.py checks every route's malformed input in-process; these check
+# that a real process (uvicorn, its HTTP parser, the guard) answers them the same way.
+MALFORMED: list[tuple[str, str, bytes | None]] = [
+    ("POST", "/v1/banks/b/memories", b"{not json"),
+    ("POST", "/v1/banks/b/memories", b'{"memories": "nope"}'),
+    ("POST", "/v1/banks/b/memories", b'{"memories": [{"text": ""}]}'),
+    ("POST", "/v1/banks/b/consolidations", b'{"priority": "high"}'),
+    ("GET", "/v1/operations/not-a-uuid", None),
+    ("POST", "/v1/operations/00000000-0000-0000-0000-000000000000/cancel", None),
+    ("GET", "/v1/banks/nobank/observations?limit=-1", None),
+    ("GET", "/v1/banks/nobank/stats", None),
+    ("DELETE", "/v1/banks/b/memories", None),
+    ("GET", "/v1/nothing-here", None),
+]
+
+
 async def test_malformed_requests_get_a_4xx_json_error_from_a_real_process(
     database_url: str,
     fake: FakeLLMServer,
     services: list[ServiceProcess],
     tmp_path: Path,
-    method: str,
-    path: str,
-    body: bytes | None,
 ) -> None:
     service = ServiceProcess("svc", tmp_path, env(database_url, fake.url), "--no-worker")
     services.append(service)
     base = await service.api_url()
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
-        response = await client.request(
-            method, path, content=body, headers={"Content-Type": "application/json"}
-        )
-    assert 400 <= response.status_code < 500, (response.status_code, response.text)
-    error = response.json()["error"]
-    assert error["code"] and error["message"]
+        for method, path, body in MALFORMED:
+            response = await client.request(
+                method, path, content=body, headers={"Content-Type": "application/json"}
+            )
+            case = (method, path, response.status_code, response.text)
+            assert 400 <= response.status_code < 500, case
+            error = response.json()["error"]
+            assert error["code"] and error["message"], case

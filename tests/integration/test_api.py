@@ -119,6 +119,22 @@ async def test_ingest_enqueues_one_consolidation_and_later_ingests_join_it(
     }
 
 
+async def test_the_ingest_answer_names_the_operation_it_enqueued_or_joined(
+    client: httpx.AsyncClient, manual_client: httpx.AsyncClient, pool: asyncpg.Pool
+) -> None:
+    first = await client.post("/v1/banks/b/memories", json={"memories": [{"text": "one"}]})
+    second = await client.post("/v1/banks/b/memories", json={"memories": [{"text": "two"}]})
+    pending = await pool.fetchval("SELECT id::text FROM operations WHERE bank_id = 'b'")
+    assert first.json()["operation_id"] == second.json()["operation_id"] == pending
+    # Once it runs, the next ingestion enqueues (and names) a new one.
+    await pool.execute("UPDATE operations SET status = 'running', worker_id = 'w', attempt = 1")
+    third = await client.post("/v1/banks/b/memories", json={"memories": [{"text": "three"}]})
+    assert third.json()["operation_id"] not in (None, pending)
+    assert await pool.fetchval("SELECT count(*) FROM operations") == 2
+    unqueued = await manual_client.post("/v1/banks/c/memories", json={"memories": [{"text": "x"}]})
+    assert unqueued.status_code == 201 and unqueued.json()["operation_id"] is None
+
+
 async def test_ingest_without_auto_consolidate_enqueues_nothing(
     manual_client: httpx.AsyncClient, pool: asyncpg.Pool
 ) -> None:
@@ -268,6 +284,26 @@ async def test_invalid_consolidation_requests_are_422(
     assert error["details"]
 
 
+# Each of these is refused by scopes.tag_problem, the one rule for tags everywhere.
+BAD_TAGS = ["a\x7fb", "a\x1fb", "\x00", " ", "t" * 129]
+
+
+@pytest.mark.parametrize("tag", BAD_TAGS, ids=repr)
+async def test_every_route_that_takes_tags_refuses_what_the_scope_rules_refuse(
+    manual_client: httpx.AsyncClient, pool: asyncpg.Pool, tag: str
+) -> None:
+    await ingest(manual_client, "b", {"text": "x", "tags": ["ok"]})
+    for memory in ({"text": "y", "tags": [tag]}, {"text": "y", "observation_scopes": [[tag]]}):
+        response = await manual_client.post("/v1/banks/b/memories", json={"memories": [memory]})
+        assert_error(response, 422, "invalid_memories")
+    response = await manual_client.post("/v1/banks/b/consolidations", json={"scopes": [[tag]]})
+    assert_error(response, 422, "invalid_request")
+    response = await manual_client.get("/v1/banks/b/observations", params={"scope": tag})
+    assert_error(response, 422, "invalid_request")
+    assert await pool.fetchval("SELECT count(*) FROM memories") == 1
+    assert await pool.fetchval("SELECT count(*) FROM operations") == 0
+
+
 async def test_consolidating_an_unknown_bank_is_404(client: httpx.AsyncClient) -> None:
     response = await client.post("/v1/banks/nobody/consolidations")
     assert_error(response, 404, "bank_not_found")
@@ -304,6 +340,94 @@ async def test_an_unknown_operation_is_404_and_a_non_uuid_is_422(
     assert_error(
         await client.post(f"/v1/operations/{uuid.uuid4()}/cancel"), 404, "operation_not_found"
     )
+
+
+async def _insert_operations(
+    pool: asyncpg.Pool, rows: list[tuple[str, str, str]]
+) -> list[uuid.UUID]:
+    """(bank, status, created_at offset like '-5 minutes') → ids; finished ones get no lease."""
+    ids = []
+    for bank, status, offset in rows:
+        await pool.execute("INSERT INTO banks (id) VALUES ($1) ON CONFLICT DO NOTHING", bank)
+        op_id = uuid.uuid4()
+        await pool.execute(
+            "INSERT INTO operations (id, bank_id, status, scope_filter, created_at)"
+            " VALUES ($1, $2, $3, '[[\"x\"]]', '2026-01-01T00:00:00Z'::timestamptz + $4::text::interval)",
+            op_id,
+            bank,
+            status,
+            offset,
+        )
+        ids.append(op_id)
+    return ids
+
+
+async def test_operations_are_listed_newest_first_page_by_page_as_get_shows_them(
+    client: httpx.AsyncClient, pool: asyncpg.Pool
+) -> None:
+    # Three share one created_at: the id breaks the tie, so no page repeats or skips one.
+    ids = await _insert_operations(
+        pool,
+        [
+            ("a", "completed", "1 minute"),
+            ("b", "failed", "2 minutes"),
+            ("a", "pending", "3 minutes"),
+            ("b", "completed", "3 minutes"),
+            ("a", "cancelled", "3 minutes"),
+            ("c", "running", "4 minutes"),
+        ],
+    )
+    expected = [
+        str(r["id"])
+        for r in await pool.fetch("SELECT id FROM operations ORDER BY created_at DESC, id DESC")
+    ]
+    seen: list[dict[str, Any]] = []
+    cursor = None
+    for _ in range(10):
+        params: dict[str, Any] = {"limit": 2, **({"cursor": cursor} if cursor else {})}
+        response = await client.get("/v1/operations", params=params)
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert set(body) == {"operations", "next_cursor"} and len(body["operations"]) <= 2
+        seen += body["operations"]
+        cursor = body["next_cursor"]
+        if cursor is None:
+            break
+    assert [op["operation_id"] for op in seen] == expected
+    assert len(seen) == len(ids)
+    for op in seen:
+        assert op == (await client.get(f"/v1/operations/{op['operation_id']}")).json()
+
+    only_a = (await client.get("/v1/operations", params={"bank_id": "a"})).json()
+    assert [op["bank_id"] for op in only_a["operations"]] == ["a", "a", "a"]
+    completed = (await client.get("/v1/operations", params={"status": "completed"})).json()
+    assert {op["operation_id"] for op in completed["operations"]} == {str(ids[0]), str(ids[3])}
+    both = await client.get("/v1/operations", params={"bank_id": "b", "status": "failed"})
+    assert [op["operation_id"] for op in both.json()["operations"]] == [str(ids[1])]
+    nobody = (await client.get("/v1/operations", params={"bank_id": "nobody"})).json()
+    assert nobody == {"operations": [], "next_cursor": None}
+
+
+@pytest.mark.parametrize(
+    ("query", "status", "code"),
+    [
+        ("status=done", 422, "invalid_request"),
+        ("status=", 422, "invalid_request"),
+        ("bank_id=", 422, "invalid_request"),
+        ("bank_id=%00", 422, "invalid_request"),
+        (f"bank_id={'x' * 257}", 422, "invalid_request"),
+        ("limit=0", 422, "invalid_request"),
+        ("limit=1001", 422, "invalid_request"),
+        ("cursor=garbage", 400, "invalid_cursor"),
+        (f"cursor={'A' * 22}", 400, "invalid_cursor"),
+        (f"cursor={'/' * 32}", 400, "invalid_cursor"),
+        (f"cursor={'_' * 31}", 400, "invalid_cursor"),
+    ],
+)
+async def test_invalid_operation_list_filters_are_4xx(
+    client: httpx.AsyncClient, query: str, status: int, code: str
+) -> None:
+    assert_error(await client.get(f"/v1/operations?{query}"), status, code)
 
 
 async def test_cancelling_a_pending_operation_cancels_it_at_once(
@@ -480,6 +604,48 @@ async def test_stats_count_memories_by_state(
     }
     assert (stats["pending"], stats["consolidated"], stats["failed"]) == (1, 1, 1)
     assert stats["observations"] == 0 and stats["oldest_pending_age_s"] >= 0
+
+
+async def test_banks_are_listed_with_their_stats_page_by_page(
+    manual_client: httpx.AsyncClient, pool: asyncpg.Pool
+) -> None:
+    names = ["b-é", "a", "c d", "b"]
+    for name in names:
+        await ingest(manual_client, name, {"text": "one"}, {"text": "two"})
+    await pool.execute(
+        "UPDATE memories SET consolidated_at = now() WHERE bank_id = 'a' AND text = 'one'"
+    )
+    await pool.execute("UPDATE memories SET consolidation_failed_at = now() WHERE bank_id = 'b'")
+    await _insert_observations(pool, "a", [["t"], ["u"]])
+    listed: list[dict[str, Any]] = []
+    cursor = None
+    for _ in range(10):
+        params: dict[str, Any] = {"limit": 3, **({"cursor": cursor} if cursor else {})}
+        body = (await manual_client.get("/v1/banks", params=params)).json()
+        listed += body["banks"]
+        cursor = body["next_cursor"]
+        if cursor is None:
+            break
+    assert [b["bank_id"] for b in listed] == sorted(names)
+    for bank in listed:
+        stats = (await manual_client.get(f"/v1/banks/{bank['bank_id']}/stats")).json()
+        age = bank.pop("oldest_pending_age_s"), stats.pop("oldest_pending_age_s")
+        assert bank.pop("bank_id") and bank.pop("created_at").endswith("Z")
+        assert bank == stats
+        assert (age[0] is None) == (age[1] is None)
+    by_id = {b["bank_id"]: b for b in (await manual_client.get("/v1/banks")).json()["banks"]}
+    assert (by_id["a"]["consolidated"], by_id["a"]["observations"]) == (1, 2)
+    assert (by_id["b"]["failed"], by_id["b"]["pending"]) == (2, 0)
+    assert by_id["b"]["oldest_pending_age_s"] is None
+
+
+@pytest.mark.parametrize(
+    "query", ["limit=0", "cursor=", "cursor=%2F%2F", "cursor=QQ%3D%3D", "cursor=_w"]
+)
+async def test_bad_bank_list_queries_are_4xx(client: httpx.AsyncClient, query: str) -> None:
+    response = await client.get(f"/v1/banks?{query}")
+    assert 400 <= response.status_code < 500
+    assert_error(response, response.status_code)
 
 
 async def test_stats_of_an_empty_bank_have_no_pending_age(
@@ -676,6 +842,13 @@ MALFORMED: list[tuple[str, str, dict[str, Any], int]] = [
     ("POST", f"/v1/operations/{OP}/cancel", {}, 404),
     ("GET", f"/v1/operations/{OP}/cancel", {}, 405),
     ("DELETE", f"/v1/operations/{OP}", {}, 405),
+    ("GET", "/v1/operations?status=x", {}, 422),
+    ("GET", "/v1/operations?cursor=x", {}, 400),
+    ("POST", "/v1/operations", {"json": {}}, 405),
+    # banks
+    ("GET", "/v1/banks?limit=x", {}, 422),
+    ("GET", "/v1/banks?cursor=%00", {}, 400),
+    ("POST", "/v1/banks", {"json": {}}, 405),
     # observations
     ("GET", "/v1/banks/b/observations?limit=100000000000000000000000", {}, 422),
     ("GET", "/v1/banks/b/observations?limit=-5", {}, 422),

@@ -110,3 +110,14 @@ def test_without_a_database_url_an_embedded_postgres_is_started_and_announced(
         pgdata = tmp_path / "data" / "pgdata"
         if pgdata.exists():
             pgserver.get_server(pgdata, cleanup_mode="stop").cleanup()
+
+
+async def test_a_tag_with_a_control_character_is_refused_as_the_api_refuses_it(
+    database_url: str, tmp_path: Path
+) -> None:
+    file = write_jsonl(tmp_path / "del.jsonl", [{"text": "fine", "tags": ["a\x7fb"]}])
+    result = run_cli(
+        "ingest", "bank-a", str(file), env={"CONSOLIDATION_DATABASE_URL": database_url}
+    )
+    assert result.returncode != 0
+    assert "control characters" in result.stderr

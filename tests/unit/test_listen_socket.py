@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 
-from consolidation.service import listen_socket
+from consolidation.net import listen_socket
 
 
 async def test_accepted_connections_send_without_nagle_delay() -> None:

@@ -1,0 +1,275 @@
+"""The dashboard at ``/ui``: server-rendered pages over store.py and queue.py, served by the API.
+
+Pages only read. Every action (cancel, recover, consolidate) is a ``fetch`` of the ``/v1`` route
+itself from static/ui.js, so it passes the same guard, validation and answers as any API
+client. With an API key, the guard sends a browser without the session cookie to ``/ui/login``,
+which sets the cookie once the key is given (api_guard.Credentials).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from collections.abc import Awaitable
+from datetime import UTC, datetime
+from importlib import resources
+from typing import Annotated
+from urllib.parse import parse_qs
+
+import asyncpg
+import fastapi
+import structlog
+from fastapi import Query
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response
+
+from consolidation import queue, store
+from consolidation.api_errors import ApiError
+from consolidation.api_guard import SESSION_COOKIE, Credentials
+from consolidation.api_params import (
+    check_bank_id,
+    decode_bank_cursor,
+    decode_cursor,
+    decode_time_cursor,
+    encode_bank_cursor,
+    encode_cursor,
+    encode_time_cursor,
+    require_bank,
+    scope_param,
+)
+from consolidation.ui_pages import (
+    STATUSES,
+    Chrome,
+    bank_page,
+    bank_url,
+    banks_page,
+    login_page,
+    message_page,
+    observations_page,
+    operations_page,
+    with_query,
+)
+
+__all__ = ["add_ui_routes"]
+
+log = structlog.get_logger(__name__)
+
+PAGE = 50
+BANK_OPERATIONS = 10
+MAX_SCOPES_SHOWN = 200
+MAX_LOGIN_BODY = 4096
+SESSION_MAX_AGE_S = 30 * 86400
+
+# No inline script or style anywhere, nothing from another origin, never inside a frame.
+SECURITY_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+        "connect-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "same-origin",
+    "Cache-Control": "no-store",
+}
+
+_STATIC_TYPES = {"ui.css": "text/css; charset=utf-8", "ui.js": "text/javascript; charset=utf-8"}
+
+
+class _Static:
+    """The dashboard's CSS and script, read from the package once; URLs carry their hash."""
+
+    def __init__(self) -> None:
+        folder = resources.files("consolidation") / "static"
+        self.files = {name: (folder / name).read_bytes() for name in _STATIC_TYPES}
+        self.urls = {
+            name: f"/ui/static/{name}?v={hashlib.sha256(body).hexdigest()[:12]}"
+            for name, body in self.files.items()
+        }
+
+
+def add_ui_routes(app: fastapi.FastAPI, pool: asyncpg.Pool, credentials: Credentials) -> None:
+    """Mount the dashboard on ``app``; ``credentials`` says whether it needs the key."""
+    static = _Static()
+    router = fastapi.APIRouter(include_in_schema=False)
+
+    def chrome(request: Request) -> Chrome:
+        return Chrome(
+            static=static.urls,
+            signed_in=credentials.required
+            and credentials.session_ok(request.headers.get("cookie", "").encode("latin-1")),
+            now=datetime.now(UTC),
+        )
+
+    async def render(request: Request, view: Awaitable[str]) -> Response:
+        """A page, or the page that says why not (bad parameter, unknown bank)."""
+        try:
+            return _html(await view)
+        except ApiError as exc:
+            title = "Not found" if exc.status == 404 else "Cannot show this page"
+            text = "; ".join([exc.message, *exc.details[:3]])
+            return _html(message_page(chrome(request), title, text), exc.status)
+
+    @app.get(
+        "/ui",
+        response_class=HTMLResponse,
+        summary="Dashboard",
+        description="The operator's dashboard (HTML): banks, operations, failed memories, "
+        "observations. With an API key it asks for the key once and keeps a session cookie.",
+        responses={303: {"description": "To /ui/login when an API key is set and not given."}},
+    )
+    async def dashboard(
+        request: Request, cursor: Annotated[str | None, Query(include_in_schema=False)] = None
+    ) -> Response:
+        return await render(request, banks_view(request, cursor))
+
+    @router.get("/ui/")
+    async def dashboard_slash() -> Response:
+        return RedirectResponse("/ui", status_code=308)
+
+    async def banks_view(request: Request, cursor: str | None) -> str:
+        after = decode_bank_cursor(cursor) if cursor else None
+        rows = await store.list_banks(pool, after=after, limit=PAGE + 1)
+        page = rows[:PAGE]
+        next_url = f"/ui?cursor={encode_bank_cursor(page[-1].id)}" if len(rows) > PAGE else None
+        return banks_page(chrome(request), page, next_url)
+
+    @router.get("/ui/operations")
+    async def operations(
+        request: Request,
+        bank_id: Annotated[str | None, Query()] = None,
+        status: Annotated[str | None, Query()] = None,
+        cursor: Annotated[str | None, Query()] = None,
+    ) -> Response:
+        return await render(request, operations_view(request, bank_id, status, cursor))
+
+    async def operations_view(
+        request: Request, bank_id: str | None, status: str | None, cursor: str | None
+    ) -> str:
+        bank_id = bank_id or None
+        status = status or None
+        if bank_id is not None:
+            check_bank_id(bank_id)
+        if status is not None and status not in STATUSES:
+            raise ApiError(422, "invalid_request", f"status must be one of {', '.join(STATUSES)}")
+        before = decode_time_cursor(cursor) if cursor else None
+        rows = await queue.list_operations(
+            pool, bank_id=bank_id, status=status, before=before, limit=PAGE + 1
+        )
+        page = rows[:PAGE]
+        next_url = None
+        if len(rows) > PAGE:
+            next_url = with_query(
+                "/ui/operations",
+                bank_id=bank_id,
+                status=status,
+                cursor=encode_time_cursor(page[-1].created_at, page[-1].id),
+            )
+        return operations_page(
+            chrome(request), page, bank_id=bank_id, status=status, next_url=next_url
+        )
+
+    @router.get("/ui/banks/{bank_id}")
+    async def bank(request: Request, bank_id: str, failed_cursor: str | None = None) -> Response:
+        return await render(request, bank_view(request, bank_id, failed_cursor))
+
+    async def bank_view(request: Request, bank_id: str, failed_cursor: str | None) -> str:
+        await require_bank(pool, bank_id)
+        before = decode_time_cursor(failed_cursor) if failed_cursor else None
+        stats = await store.bank_stats(pool, bank_id)
+        ops = await queue.list_operations(pool, bank_id=bank_id, limit=BANK_OPERATIONS)
+        failed = await store.list_failed_memories(pool, bank_id, before=before, limit=PAGE + 1)
+        scopes = await store.list_scopes(pool, bank_id, MAX_SCOPES_SHOWN)
+        page = failed[:PAGE]
+        next_url = None
+        if len(failed) > PAGE:
+            cursor = encode_time_cursor(page[-1].failed_at, page[-1].id)
+            next_url = bank_url(bank_id, failed_cursor=cursor) + "#failed"
+        return bank_page(chrome(request), bank_id, stats, ops, page, next_url, scopes)
+
+    @router.get("/ui/banks/{bank_id}/observations")
+    async def observations(
+        request: Request, bank_id: str, scope: str | None = None, cursor: str | None = None
+    ) -> Response:
+        return await render(request, observations_view(request, bank_id, scope, cursor))
+
+    async def observations_view(
+        request: Request, bank_id: str, scope: str | None, cursor: str | None
+    ) -> str:
+        scope_filter = scope_param(scope)
+        after = decode_cursor(cursor) if cursor else None
+        await require_bank(pool, bank_id)
+        rows = await store.list_observations(
+            pool, bank_id, scope=scope_filter, after=after, limit=PAGE + 1
+        )
+        page = rows[:PAGE]
+        wanted: list[uuid.UUID] = [m for o in page for m in o.source_memory_ids]
+        sources = await store.memory_texts(pool, bank_id, wanted)
+        next_url = None
+        if len(rows) > PAGE:
+            next_url = bank_url(
+                bank_id, "observations", scope=scope, cursor=encode_cursor(page[-1].id)
+            )
+        return observations_page(chrome(request), bank_id, scope_filter, page, sources, next_url)
+
+    @router.get("/ui/login")
+    async def login_form(request: Request, next: str = "/ui") -> Response:
+        if not credentials.required:
+            return RedirectResponse("/ui", status_code=303)
+        return _html(login_page(static.urls, next_url=_safe_next(next), problem=None))
+
+    @router.post("/ui/login")
+    async def login(request: Request) -> Response:
+        body = await request.body()
+        form = parse_qs(body[:MAX_LOGIN_BODY].decode("utf-8", "replace"))
+        next_url = _safe_next((form.get("next") or ["/ui"])[0])
+        if not credentials.required:
+            return RedirectResponse(next_url, status_code=303)
+        if not credentials.key_ok((form.get("key") or [""])[0]):
+            log.warning("dashboard_sign_in_refused", client=_client(request))
+            page = login_page(static.urls, next_url=next_url, problem="That is not the API key.")
+            return _html(page, 401)
+        log.info("dashboard_signed_in", client=_client(request))
+        response = RedirectResponse(next_url, status_code=303)
+        response.set_cookie(
+            SESSION_COOKIE,
+            credentials.session_token(),
+            max_age=SESSION_MAX_AGE_S,
+            path="/",
+            httponly=True,
+            samesite="strict",
+            secure=request.url.scheme == "https",
+        )
+        return response
+
+    @router.post("/ui/logout")
+    async def logout() -> Response:
+        response = RedirectResponse("/ui/login" if credentials.required else "/ui", 303)
+        response.delete_cookie(SESSION_COOKIE, path="/", httponly=True, samesite="strict")
+        return response
+
+    @router.get("/ui/static/{name}")
+    async def static_file(name: str) -> Response:
+        if name not in static.files:
+            return Response("not found", status_code=404, media_type="text/plain")
+        return Response(
+            static.files[name],
+            media_type=_STATIC_TYPES[name],
+            headers={"Cache-Control": "public, max-age=31536000, immutable"},
+        )
+
+    app.include_router(router)
+
+
+def _html(text: str, status: int = 200) -> Response:
+    return HTMLResponse(text, status_code=status, headers=SECURITY_HEADERS)
+
+
+def _safe_next(target: str) -> str:
+    """Only a dashboard path: never another site (an open redirect)."""
+    if target.startswith("/ui") and not target.startswith("//") and "\\" not in target:
+        return target
+    return "/ui"
+
+
+def _client(request: Request) -> str | None:
+    return request.client.host if request.client else None

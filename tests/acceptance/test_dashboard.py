@@ -1,0 +1,245 @@
+"""The dashboard at /ui of a real `consolidation serve`, in a real headless Chromium.
+
+Each view is saved as a PNG (UI_SCREENSHOTS, else the test's tmp dir) for a person to look at.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import httpx
+import pytest
+from selenium.webdriver.common.by import By
+from selenium.webdriver.remote.webdriver import WebDriver
+
+from consolidation.fake_llm import POISON_MARKER, FakeLLMConfig, FakeLLMServer
+from tests.acceptance.browser import (
+    attribute,
+    chromium,
+    click,
+    find,
+    screenshots_dir,
+    text,
+    wait,
+)
+from tests.acceptance.harness import ServiceProcess, worker_env
+from tests.integration.engine_helpers import markers, wait_for
+
+pytestmark = pytest.mark.acceptance
+
+
+@pytest.fixture
+def slow_fake() -> Any:
+    # Slow enough that a 60-memory operation runs for 12 s or more, one wave at a time.
+    with FakeLLMServer(FakeLLMConfig(latency_ms=400)) as server:
+        yield server
+
+
+async def _ingest(client: httpx.AsyncClient, bank: str, texts: list[str], tag: str) -> None:
+    memories = [{"text": t, "tags": [tag]} for t in texts]
+    response = await client.post(f"/v1/banks/{bank}/memories", json={"memories": memories})
+    assert response.status_code == 201, response.text
+
+
+async def _consolidate(client: httpx.AsyncClient, bank: str) -> str:
+    response = await client.post(f"/v1/banks/{bank}/consolidations", json={})
+    assert response.status_code == 202, response.text
+    operation_id: str = response.json()["operation_id"]
+    return operation_id
+
+
+async def _status(client: httpx.AsyncClient, operation_id: str) -> str:
+    status: str = (await client.get(f"/v1/operations/{operation_id}")).json()["status"]
+    return status
+
+
+def _processed(driver: WebDriver, operation_id: str) -> int | None:
+    value = attribute(driver, f'tr[data-operation="{operation_id}"] .progress', "data-processed")
+    return None if value is None else int(value)
+
+
+def _confirm(driver: WebDriver, shots: Path, name: str) -> None:
+    """Accept the confirmation dialog, which must be open, after a screenshot of it."""
+    wait(driver, lambda d: find(d, "dialog#confirm[open]"), "the confirmation dialog")
+    driver.save_screenshot(str(shots / name))
+    click(driver, "dialog#confirm[open] #confirm-yes", "the confirmation button")
+
+
+async def test_the_dashboard_follows_progress_cancels_after_confirming_and_recovers_failures(
+    pool: asyncpg.Pool,
+    database_url: str,
+    slow_fake: FakeLLMServer,
+    services: list[ServiceProcess],
+    tmp_path: Path,
+) -> None:
+    service = ServiceProcess(
+        "svc",
+        tmp_path,
+        worker_env(database_url, slow_fake.url, CONSOLIDATION_WAVE_SIZE="2"),
+    )
+    services.append(service)
+    base = await service.api_url()
+    shots = screenshots_dir(tmp_path)
+    print(f"\n[dashboard] screenshots in {shots}")
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        # carol: three memories, one of which the model cannot answer for → one failed.
+        await _ingest(
+            client,
+            "carol",
+            [
+                "Carol runs the Berlin office and prefers morning meetings",
+                f"Carol's calendar export is corrupted {POISON_MARKER}",
+                "Carol moved the Berlin office meetings to Tuesday mornings",
+            ],
+            "carol",
+        )
+        carol_op = await _consolidate(client, "carol")
+
+        async def carol_completed() -> bool:
+            return await _status(client, carol_op) == "completed"
+
+        await wait_for(carol_completed, timeout_s=60, what="carol's operation to complete")
+        assert await markers(pool, "carol") == {"consolidated": 2, "failed": 1, "pending": 0}
+
+        # alice: sixty memories in waves of two, each wave a 400 ms LLM call: a long operation,
+        # started once the browser is up.
+        await _ingest(
+            client,
+            "alice",
+            [f"Alice tried tea blend number {i} and rated it {i % 5 + 1} of 5" for i in range(60)],
+            "alice",
+        )
+
+        with chromium(tmp_path / "profile") as driver:
+            driver.get(f"{base}/ui")
+            cells = wait(
+                driver,
+                lambda d: (row := text(d, 'tr[data-bank="carol"]')) and row.split(),
+                "carol in the banks table",
+            )
+            assert cells[:4] == ["carol", "0", "2", "1"]
+            driver.save_screenshot(str(shots / "1-banks.png"))
+
+            # The operations view refreshes itself: the running operation's progress moves
+            # while the test never reloads the page.
+            alice_op = await _consolidate(client, "alice")
+            driver.get(f"{base}/ui/operations")
+            row = f'tr[data-operation="{alice_op}"]'
+            first = wait(
+                driver,
+                lambda d: attribute(d, row, "data-status") == "running" and _processed(d, alice_op),
+                "alice's operation running with some memories processed",
+            )
+            wait(
+                driver,
+                lambda d: (_processed(d, alice_op) or 0) > first,
+                f"alice's progress to move past {first}",
+            )
+            driver.save_screenshot(str(shots / "2-operations-running.png"))
+            assert driver.execute_script("return performance.navigation.type") == 0  # no reload
+
+            click(driver, f'{row} button[data-kind="cancel"]', "alice's cancel button")
+            _confirm(driver, shots, "3-cancel-confirmation.png")
+            wait(
+                driver,
+                lambda d: attribute(d, row, "data-status") == "cancelled",
+                "alice's operation shown cancelled",
+            )
+            assert await _status(client, alice_op) == "cancelled"
+            assert (await markers(pool, "alice"))["pending"] > 0
+            driver.save_screenshot(str(shots / "4-operations-cancelled.png"))
+
+            # A bank's failed memories, with the reason, and the recover button.
+            driver.get(f"{base}/ui/banks/carol")
+            failed = wait(driver, lambda d: text(d, "#failed tr[data-memory]"), "a failed row")
+            assert POISON_MARKER in failed
+            reason = text(driver, "#failed tr[data-memory] td.reason")
+            assert reason and reason != "not recorded", reason
+            driver.save_screenshot(str(shots / "5-bank-failed.png"))
+            assert text(driver, 'button[data-kind="recover"]') == "Recover 1 failed"
+            click(driver, 'button[data-kind="recover"]', "the recover button")
+            _confirm(driver, shots, "6-recover-confirmation.png")
+            wait(
+                driver,
+                lambda d: "1 failed memory will be consolidated again" in (text(d, "#flash") or ""),
+                "the recover message",
+            )
+            wait(driver, lambda d: find(d, "#failed tr[data-memory]") is None, "no failed row")
+            assert await markers(pool, "carol") == {"consolidated": 2, "failed": 0, "pending": 1}
+            driver.save_screenshot(str(shots / "7-bank-recovered.png"))
+
+            # Observations of one scope, with the memories they come from.
+            click(driver, "ul.scopes a", "the scope carol")
+            sources = wait(
+                driver, lambda d: text(d, "div.observations"), "the observations of carol"
+            )
+            assert "Carol runs the Berlin office" in sources
+            assert "Carol moved the Berlin office meetings" in sources
+            assert POISON_MARKER not in sources
+            driver.save_screenshot(str(shots / "8-observations.png"))
+
+
+async def test_with_an_api_key_the_dashboard_asks_for_it_once_and_keeps_a_strict_cookie(
+    database_url: str,
+    fake: FakeLLMServer,
+    services: list[ServiceProcess],
+    tmp_path: Path,
+) -> None:
+    service = ServiceProcess(
+        "svc",
+        tmp_path,
+        worker_env(database_url, fake.url, CONSOLIDATION_API_KEY="s3cret"),
+        "--no-worker",
+    )
+    services.append(service)
+    base = await service.api_url()
+    shots = screenshots_dir(tmp_path)
+    bearer = {"Authorization": "Bearer s3cret"}
+    async with httpx.AsyncClient(base_url=base, timeout=30, headers=bearer) as client:
+        await _ingest(client, "dora", ["Dora keeps bees on the roof"], "dora")
+
+        with chromium(tmp_path / "profile") as driver:
+            driver.get(f"{base}/ui/banks/dora")
+            wait(driver, lambda d: "/ui/login" in d.current_url, "the key form")
+            driver.save_screenshot(str(shots / "9-login.png"))
+
+            driver.find_element(By.ID, "key").send_keys("wrong")
+            driver.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
+            error = wait(driver, lambda d: text(d, ".error"), "the refusal")
+            assert error == "That is not the API key."
+            assert driver.get_cookie("consolidation_session") is None
+
+            driver.find_element(By.ID, "key").send_keys("s3cret")
+            driver.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
+            wait(driver, lambda d: d.current_url.endswith("/ui/banks/dora"), "back to the page")
+            cookie = driver.get_cookie("consolidation_session")
+            assert cookie is not None
+            assert cookie["httpOnly"] is True and cookie["sameSite"] == "Strict"
+            assert "s3cret" not in cookie["value"]
+            assert "consolidation_session" not in driver.execute_script("return document.cookie")
+
+            # Asked once: other pages, and the API calls behind the buttons, use the cookie.
+            driver.get(f"{base}/ui")
+            wait(driver, lambda d: find(d, 'tr[data-bank="dora"]'), "the banks table")
+            driver.get(f"{base}/ui/banks/dora")
+            click(driver, 'button[data-kind="consolidate"]', "the consolidate button")
+            wait(
+                driver,
+                lambda d: "enqueued" in (text(d, "#flash") or ""),
+                "the consolidation to be enqueued",
+            )
+            driver.save_screenshot(str(shots / "10-signed-in-bank.png"))
+            listed = (await client.get("/v1/operations", params={"bank_id": "dora"})).json()
+            assert [op["status"] for op in listed["operations"]] == ["pending"]
+
+            # Signing out drops the cookie; the pages ask for the key again.
+            click(driver, "form.signout button", "sign out")
+            wait(driver, lambda d: "/ui/login" in d.current_url, "the key form again")
+            assert driver.get_cookie("consolidation_session") is None
+
+        # The API's bearer auth is what it was.
+        anonymous = await client.get("/v1/banks", headers={"Authorization": ""})
+        assert anonymous.status_code == 401
+        assert (await client.get("/v1/banks")).status_code == 200
