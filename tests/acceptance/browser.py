@@ -45,10 +45,15 @@ def chromium(user_data_dir: Path) -> Iterator[WebDriver]:
     """A fresh browser profile in ``user_data_dir``; quits the browser at the end."""
     missing = [p for p in (CHROMIUM, CHROMEDRIVER) if not shutil.which(p)]
     if missing:
-        pytest.fail(
+        # CI (.ci/run) installs them and requires them; a developer's first run without them
+        # says what to install instead of failing the README's test command.
+        message = (
             f"{', '.join(missing)} not found: apt-get install chromium chromium-driver "
             "(.ci/run does), or set CHROMIUM / CHROMEDRIVER"
         )
+        if os.environ.get("CONSOLIDATION_TESTS_REQUIRE_BROWSER"):
+            pytest.fail(message)
+        pytest.skip(message)
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for flag in FLAGS:
