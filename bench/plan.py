@@ -45,6 +45,8 @@ class WavePlan:
     ended: float | None = None
     statements: dict[str, int] = field(default_factory=dict)
     chains: list[int] = field(default_factory=list)  # calls of each group, first appearance first
+    # (calls, scopes) of each group in the order the engine queues them (longest chain first)
+    groups_queued: list[tuple[int, frozenset[Scope]]] = field(default_factory=list)
 
     def ideal_s(self, latency_s: float, concurrency: int) -> float:
         return latency_s * max(math.ceil(self.calls / concurrency), self.longest_chain)
@@ -121,6 +123,7 @@ class PlanTracker:
         calls = batches = longest = 0
         per_scope: dict[Scope, int] = {}
         chains: dict[int, int] = {}  # first member's position → calls of its group
+        queued: list[tuple[int, frozenset[Scope]]] = []
         for group in groups:
             passes = list(planned_passes(group, self.batch_size, todo_of))
             for step in passes:
@@ -129,6 +132,7 @@ class PlanTracker:
             batches += len({step.batch for step in passes})
             longest = max(longest, len(passes))
             chains[position[id(group[0])]] = len(passes)
+            queued.append((len(passes), frozenset(step.scope for step in passes)))
             self._chains.add(sorted({step.scope for step in passes}), len(passes))
         plan = WavePlan(
             index=len(self.waves) + 1,
@@ -141,6 +145,7 @@ class PlanTracker:
             started=now,
             # In order of first appearance (the schedule model applies its own order).
             chains=[chains[k] for k in sorted(chains)] if self.keep_chains else [],
+            groups_queued=queued if self.keep_chains else [],
         )
         self.waves.append(plan)
         return plan
@@ -190,3 +195,46 @@ def simulate_wave(
         start = heapq.heappop(free)
         heapq.heappush(free, start + calls * (latency_s + overhead_s))
     return max(free, default=0.0)
+
+
+def simulate_pipelined(
+    waves: Sequence[Sequence[tuple[int, frozenset[Scope]]]],
+    slots: int,
+    latency_s: float,
+    overhead_s: float,
+) -> float:
+    """Makespan of a whole run under pipelined waves (the engine since 5f26aaa): groups queue in
+    wave order (each wave longest chain first); a group takes a free slot once the earlier
+    groups writing one of its scopes have ended, the first queued of the ready ones first; each
+    call costs ``latency_s + overhead_s``. No wave barrier; the next wave is assumed fetched in
+    time. A pure model, for what-if questions."""
+    import heapq
+
+    groups = [group for wave in waves for group in wave]
+    waiting_on: list[set[int]] = []
+    dependents: list[list[int]] = [[] for _ in groups]
+    last_writer: dict[Scope, int] = {}
+    for index, (_, scopes) in enumerate(groups):
+        before = {last_writer[s] for s in scopes if s in last_writer}
+        waiting_on.append(before)
+        for earlier in before:
+            dependents[earlier].append(index)
+        for scope in scopes:
+            last_writer[scope] = index
+    ready = [i for i, before in enumerate(waiting_on) if not before]
+    heapq.heapify(ready)
+    running: list[tuple[float, int]] = []
+    now = 0.0
+    free = slots
+    while ready or running:
+        while free and ready:
+            index = heapq.heappop(ready)
+            heapq.heappush(running, (now + groups[index][0] * (latency_s + overhead_s), index))
+            free -= 1
+        now, done = heapq.heappop(running)
+        free += 1
+        for later in dependents[done]:
+            waiting_on[later].discard(done)
+            if not waiting_on[later]:
+                heapq.heappush(ready, later)
+    return now
