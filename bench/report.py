@@ -187,39 +187,54 @@ def target_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
     if eff:
         rows.append(
             {
-                "what": "efficiency vs per-wave bound (100 ms, 64 groups, P8)",
-                "target": f"≥ {TARGETS['efficiency_per_wave']:.2f}",
-                "measured": _fmt(eff["p8"]["efficiency_per_wave"], digits=3),
-                "met": eff["p8"]["efficiency_per_wave"] >= TARGETS["efficiency_per_wave"],
+                "what": "efficiency vs bound without wave barriers (100 ms, 64 groups, P8)",
+                "target": f"≥ {TARGETS['efficiency_no_barrier']:.2f}",
+                "measured": _fmt(eff["p8"]["efficiency_no_barrier"], digits=3)
+                + f" (per-wave bound {eff['p8']['efficiency_per_wave']:.3f})",
+                "met": eff["p8"]["efficiency_no_barrier"] >= TARGETS["efficiency_no_barrier"],
             }
         )
+        if "p8_20ms" in eff:
+            fast = eff["p8_20ms"]["efficiency_no_barrier"]
+            rows.append(
+                {
+                    "what": "efficiency vs bound without wave barriers, 20 ms LLM, P8",
+                    "target": f"≥ {TARGETS['efficiency_no_barrier_20ms']:.2f}",
+                    "measured": _fmt(fast, digits=3),
+                    "met": fast >= TARGETS["efficiency_no_barrier_20ms"],
+                }
+            )
+        allowed = eff["plan"].get("ideal_speedup_no_barrier", eff["plan"]["ideal_speedup"])
         rows.append(
             {
-                "what": "efficiency vs bound without wave barriers (report)",
-                "target": "report",
-                "measured": _fmt(eff["p8"]["efficiency_no_barrier"], digits=3),
-                "met": None,
-            }
-        )
-        rows.append(
-            {
-                "what": "speedup P8 over P1, same bank",
-                "target": f"≥ {TARGETS['speedup_p8_over_p1']:.0f}×",
-                "measured": _fmt(eff["speedup"], "×")
-                + f" (plan allows {eff['plan']['ideal_speedup']:.2f}×)",
-                "met": eff["speedup"] >= TARGETS["speedup_p8_over_p1"],
+                "what": "speedup P8 over P1, same bank, of what the plan allows",
+                "target": f"≥ {TARGETS['speedup_of_allowed']:.2f}",
+                "measured": _fmt(eff["speedup"] / allowed, digits=3)
+                + f" ({eff['speedup']:.2f}× of {allowed:.2f}×)",
+                "met": eff["speedup"] / allowed >= TARGETS["speedup_of_allowed"],
             }
         )
     thr = results.get("throughput")
     if thr:
         rows.append(
             {
-                "what": "memories/s, zero-latency LLM, batch 8",
-                "target": f"≥ {TARGETS['memories_per_s_zero_latency']:,.0f}",
+                "what": "memories/s, zero-latency LLM, batch 8 (report)",
+                "target": "report",
                 "measured": _fmt(thr["memories_per_s"], digits=0),
-                "met": thr["memories_per_s"] >= TARGETS["memories_per_s_zero_latency"],
+                "met": None,
             }
         )
+        if "fraction_of_database_only" in thr:
+            fraction = thr["fraction_of_database_only"]
+            rows.append(
+                {
+                    "what": "zero-latency memories/s over the database work alone",
+                    "target": f"≥ {TARGETS['fraction_of_database_only']:.2f}",
+                    "measured": _fmt(fraction, digits=3) + f" ({thr['memories_per_s']:,.0f} of "
+                    f"{thr['database_only_memories_per_s']:,.0f}/s)",
+                    "met": fraction >= TARGETS["fraction_of_database_only"],
+                }
+            )
     lag = results.get("lag")
     if lag:
         rows.append(
@@ -272,6 +287,9 @@ def _scenario_rows(results: dict[str, Any]) -> list[tuple[str, dict[str, Any], d
         runs1 = [r for r in eff["runs"] if r["label"].endswith("p1")]
         rows.append(("efficiency, P8, 100 ms", eff["p8"], runs8[0]))
         rows.append(("efficiency, P1, 100 ms", eff["p1"], runs1[0]))
+        fast = [r for r in eff["runs"] if r["label"].endswith("20ms")]
+        if fast:
+            rows.append(("efficiency, P8, 20 ms", eff["p8_20ms"], fast[0]))
     if results.get("lag"):
         rows.append(("lag, P16, 100 ms, 200 KB", results["lag"], results["lag"]["runs"][0]))
     if results.get("throughput"):
