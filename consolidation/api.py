@@ -40,12 +40,15 @@ from consolidation.api_models import (
     SCOPE_PARAM_PATTERN,
     TIME_CURSOR_PATTERN,
     V1_ERRORS,
+    BankDeleted,
     BankId,
     BankOut,
     BanksPage,
     CancelResponse,
+    ConfirmationErrorBody,
     ConsolidationRequest,
     ConsolidationResponse,
+    ForgetResponse,
     IngestRequest,
     IngestResponse,
     ObservationOut,
@@ -71,7 +74,8 @@ from consolidation.api_params import (
     require_bank,
     scope_param,
 )
-from consolidation.errors import NotFound, ValidationError
+from consolidation.backlog import BACKLOG
+from consolidation.errors import NotCancellable, NotFound, ValidationError
 from consolidation.memories import MAX_BANK_ID_CHARS, parse_memories
 from consolidation.scopes import normalize_scope
 from consolidation.settings import Settings
@@ -223,12 +227,17 @@ def _add_v1_routes(router: fastapi.APIRouter, settings: Settings, pool: asyncpg.
         "/v1/operations/{operation_id}/cancel",
         status_code=202,
         response_model=CancelResponse,
+        responses=error_responses(409),
         summary="Cancel an operation",
     )
     async def cancel_operation(operation_id: uuid.UUID) -> CancelResponse:
         """A pending operation is ``cancelled`` at once; a running one stops within about a
-        second (``running`` until then); a finished one is left as it is."""
-        op = await _operation_or_404(queue.request_cancel(pool, operation_id))
+        second (``running`` until then); a finished one is left as it is. A forget cannot be
+        cancelled (409)."""
+        try:
+            op = await _operation_or_404(queue.request_cancel(pool, operation_id))
+        except NotCancellable as exc:
+            raise ApiError(409, "not_cancellable", str(exc)) from None
         return CancelResponse.model_validate({"operation_id": op.id, "status": op.status})
 
     @router.get(
@@ -306,6 +315,64 @@ def _add_v1_routes(router: fastapi.APIRouter, settings: Settings, pool: asyncpg.
             await queue.submit(pool, bank_id, max_attempts=settings.max_attempts)
         return RecoverResponse(recovered=recovered)
 
+    @router.delete(
+        "/v1/banks/{bank_id}/memories/{memory_id}",
+        status_code=202,
+        response_model=ForgetResponse,
+        summary="Forget a memory",
+    )
+    async def forget_memory(bank_id: BankId, memory_id: uuid.UUID) -> ForgetResponse:
+        """Forget a memory and what was derived from it. The memory leaves waves and counts at
+        once; the returned forget operation deletes it, deletes the observations it alone
+        supports and re-derives those it shares from their other sources. Idempotent: asking
+        again answers the same operation."""
+        await require_bank(pool, bank_id)
+        try:
+            forgets = await store.request_forget(
+                pool, bank_id, [memory_id], max_attempts=settings.max_attempts
+            )
+        except NotFound as exc:
+            raise ApiError(404, "memory_not_found", str(exc)) from None
+        return ForgetResponse(memory_id=memory_id, operation_id=forgets[memory_id])
+
+    @router.delete(
+        "/v1/banks/{bank_id}",
+        response_model=BankDeleted,
+        responses={
+            400: {
+                "model": ConfirmationErrorBody,
+                "description": "Without ?confirm={bank_id}: what the deletion would remove.",
+            }
+        },
+        summary="Delete a bank",
+    )
+    async def delete_bank(
+        bank_id: BankId,
+        confirm: Annotated[
+            str | None, Query(description="The bank id again: the deletion happens only then.")
+        ] = None,
+    ) -> BankDeleted:
+        """Delete a bank and everything in it, after cancelling its operations; answers the
+        counts removed. Without a matching ``confirm``: 400 with the same counts, nothing
+        deleted."""
+        check_bank_id(bank_id)
+        confirmed = confirm == bank_id
+        try:
+            counts = await store.delete_bank(pool, bank_id, dry_run=not confirmed)
+        except NotFound as exc:
+            raise ApiError(404, "bank_not_found", str(exc)) from None
+        counted = dataclasses.asdict(counts)
+        if not confirmed:
+            raise ApiError(
+                400,
+                "confirmation_required",
+                f"deleting bank {bank_id!r} removes everything in it; repeat the request with "
+                "?confirm= set to the bank id to delete it",
+                extra={"counts": counted},
+            )
+        log.info("bank_deleted", bank_id=bank_id, **counted)
+        return BankDeleted(bank_id=bank_id, deleted=counts)
+
 
 def _add_probe_routes(
     app: fastapi.FastAPI, pool: asyncpg.Pool, contact: db.LastContact | None, lease_s: float
@@ -351,7 +418,9 @@ def _add_probe_routes(
         summary="Prometheus metrics",
     )
     async def metrics() -> Response:
-        """The default Prometheus registry, text format."""
+        """The default Prometheus registry, text format, with the backlog read from the database
+        (at most every few seconds; ``consolidation_backlog_up 0`` when it cannot be read)."""
+        await BACKLOG.refresh(pool)
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
 

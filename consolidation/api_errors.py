@@ -40,6 +40,7 @@ class ApiError(Exception):
         message: str,
         details: Sequence[str] = (),
         headers: Mapping[str, str] | None = None,
+        extra: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -47,6 +48,7 @@ class ApiError(Exception):
         self.message = message
         self.details = list(details)
         self.headers = dict(headers or {})
+        self.extra = dict(extra or {})
 
 
 def error_response(
@@ -55,11 +57,13 @@ def error_response(
     message: str,
     details: Sequence[str] = (),
     headers: Mapping[str, str] | None = None,
+    extra: Mapping[str, Any] | None = None,
 ) -> Response:
-    """The one error shape of the API."""
+    """The one error shape of the API (``extra`` keys join ``code`` and ``message``)."""
     body: dict[str, Any] = {"code": code, "message": message}
     if details:
         body["details"] = list(details)
+    body.update(extra or {})
     return Response(
         orjson.dumps({"error": body}),
         status_code=status,
@@ -152,7 +156,7 @@ def _location(loc: Sequence[Any]) -> str:
 
 def _on_api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
-    return error_response(exc.status, exc.code, exc.message, exc.details, exc.headers)
+    return error_response(exc.status, exc.code, exc.message, exc.details, exc.headers, exc.extra)
 
 
 def _on_validation_error(request: Request, exc: Exception) -> Response:

@@ -23,6 +23,7 @@ from pydantic import (
 from consolidation.api_errors import phrase
 from consolidation.memories import MAX_BANK_ID_CHARS, MAX_TEXT_CHARS
 from consolidation.scopes import MAX_TAG_CHARS, MAX_TAGS, tag_problem
+from consolidation.store import BankCounts
 
 MAX_MEMORIES_PER_REQUEST = 1000
 MAX_SCOPES_PER_REQUEST = 100
@@ -139,6 +140,10 @@ class ConsolidationResponse(BaseModel):
 class OperationResponse(BaseModel):
     operation_id: uuid.UUID
     bank_id: str
+    kind: Literal["consolidate", "forget"] = Field(
+        description="consolidate (pending memories into observations) or forget (memories and "
+        "what was derived from them)."
+    )
     status: OperationStatus
     attempt: int
     progress: dict[str, Any]
@@ -206,6 +211,26 @@ class ErrorDetail(BaseModel):
 
 class ErrorBody(BaseModel):
     error: ErrorDetail
+
+
+class ForgetResponse(BaseModel):
+    memory_id: uuid.UUID
+    operation_id: uuid.UUID = Field(
+        description="The forget operation that deletes the memory and what was derived from it."
+    )
+
+
+class BankDeleted(BaseModel):
+    bank_id: str
+    deleted: BankCounts
+
+
+class ConfirmationError(ErrorDetail):
+    counts: BankCounts = Field(description="What the deletion would remove (a dry run).")
+
+
+class ConfirmationErrorBody(BaseModel):
+    error: ConfirmationError
 
 
 def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""``consolidation`` command line: serve, migrate, ingest, replay, fake-llm.
+"""``consolidation`` command line: serve, migrate, ingest, replay, forget, fake-llm.
 
 A thin shell: every verb parses its arguments, then calls the same functions the service uses.
 """
@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import signal
 import sys
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
@@ -218,6 +219,53 @@ def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
     return EXIT_OK if op.status == "completed" else EXIT_FAILED
 
 
+# --- forget ---------------------------------------------------------------------------------
+
+
+def parse_memory_ids(values: Sequence[str]) -> list[uuid.UUID]:
+    """Memory ids from the command line; every one that is not a UUID is named."""
+    ids: list[uuid.UUID] = []
+    bad: list[str] = []
+    for value in values:
+        try:
+            ids.append(uuid.UUID(value))
+        except ValueError:
+            bad.append(value)
+    if bad:
+        raise CLIError(f"not a memory id (a UUID): {', '.join(repr(b) for b in bad)}")
+    return ids
+
+
+async def _forget(
+    settings: Settings, bank: str, ids: list[uuid.UUID]
+) -> dict[uuid.UUID, uuid.UUID]:
+    from consolidation import store
+
+    url = await db.prepare_database(settings)
+    conn = await db.connect(url)
+    try:
+        if not await store.bank_exists(conn, bank):
+            raise CLIError(f"bank {bank!r} does not exist", EXIT_FAILED)
+        return await store.request_forget(conn, bank, ids, max_attempts=settings.max_attempts)
+    finally:
+        await conn.close()
+
+
+def cmd_forget(args: argparse.Namespace, settings: Settings) -> int:
+    problems = bank_id_problems(args.bank)
+    if problems:
+        raise CLIError(problems[0])
+    ids = parse_memory_ids(args.memory_ids)
+    forgets = runtime.run(_forget(settings, args.bank, ids), settings.event_loop)
+    for memory_id, operation_id in forgets.items():
+        print(f"memory {memory_id}: forgotten by operation {operation_id}")
+    print(
+        "a worker (consolidation serve) deletes them and re-derives what they supported; "
+        "follow GET /v1/operations/<operation id>"
+    )
+    return EXIT_OK
+
+
 # --- serve and fake-llm ---------------------------------------------------------------------
 
 
@@ -297,6 +345,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print the final operation as JSON")
     p.set_defaults(handler=cmd_replay)
+
+    p = sub.add_parser(
+        "forget",
+        help="forget memories of a bank and what was derived from them (all or nothing)",
+    )
+    p.add_argument("bank", metavar="BANK")
+    p.add_argument("memory_ids", metavar="MEMORY_ID", nargs="+")
+    p.set_defaults(handler=cmd_forget)
 
     p = sub.add_parser(
         "fake-llm", help="serve a fake OpenAI-compatible LLM (offline policy) for tests and load"

@@ -12,9 +12,9 @@ import time
 import uuid
 from asyncio import FIRST_COMPLETED
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import asyncpg
 import structlog
@@ -45,6 +45,9 @@ from consolidation.queue import Lease
 from consolidation.scopes import Scope
 from consolidation.settings import Settings
 
+if TYPE_CHECKING:
+    from consolidation.forget import ForgetRun
+
 log = structlog.get_logger(__name__)
 
 # Waves queued at once (each holds its memories); more are fetched only while slots would idle.
@@ -60,10 +63,13 @@ class StopReason(enum.Enum):
     CANCEL = "cancel"  # asked by a user: in-flight work is aborted at once
     LEASE_LOST = "lease_lost"  # another worker owns the attempt now: in-flight work is aborted
     SHUTDOWN = "shutdown"  # the worker is exiting: running passes finish until force()
+    # The operation ran past its time slice while others wait: like a shutdown, running passes
+    # finish and nothing new starts; it goes back to pending with its progress (fairness).
+    SLICE = "slice"
 
     @property
     def aborts_at_once(self) -> bool:
-        return self is not StopReason.SHUTDOWN
+        return self not in (StopReason.SHUTDOWN, StopReason.SLICE)
 
 
 class StopSignal:
@@ -95,7 +101,7 @@ class StopSignal:
 
 
 class _Interrupted(Exception):
-    """Stop before the next pass because the worker is shutting down."""
+    """Stop before the next pass because the worker is shutting down or the slice is over."""
 
 
 class _SiblingFailed(Exception):
@@ -169,6 +175,17 @@ class RunSummary:
     failed: int = 0
     recovered: int = 0
     total: int = 0
+    slices: int = 0  # how many times the operation yielded its slot to waiting ones
+
+    @classmethod
+    def resumed(cls, result: Mapping[str, Any] | None) -> RunSummary:
+        """The summary an operation's earlier slices stored, to continue; empty without one."""
+        if not result:
+            return cls()
+        return cls(
+            perf=PerfLog.from_dict(result.get("perf", {})),
+            **{k: int(result.get(k, 0)) for k in _CONTINUED},
+        )
 
     def progress(self) -> dict[str, Any]:
         return {
@@ -180,7 +197,15 @@ class RunSummary:
         }
 
     def to_json(self) -> dict[str, Any]:
-        return {**self.progress(), "recovered": self.recovered, "perf": self.perf.to_dict()}
+        return {
+            **self.progress(),
+            "recovered": self.recovered,
+            "slices": self.slices,
+            "perf": self.perf.to_dict(),
+        }
+
+
+_CONTINUED = ("waves", "processed", "consolidated", "failed", "recovered", "slices")
 
 
 ProgressCallback = Callable[[RunSummary], None]
@@ -198,6 +223,7 @@ class OperationRun:
         stop: StopSignal,
         on_progress: ProgressCallback | None = None,
         embedder: Embedder | None = None,
+        slice_s: float | None = None,
     ) -> None:
         self.pool = pool
         self.lease = lease
@@ -209,7 +235,9 @@ class OperationRun:
         self.settings = settings
         self.stop = stop
         self.on_progress = on_progress
-        self.summary = RunSummary()
+        self.slice_s = slice_s
+        self.started = time.monotonic()
+        self.summary = RunSummary.resumed(lease.resumed)
         self.mission = settings.mission
         self._abort = False
         self._slots = asyncio.Semaphore(settings.group_parallelism)
@@ -231,7 +259,7 @@ class OperationRun:
         and commits its own markers (:meth:`_run_wave`).
         """
         self.mission = await store.bank_mission(self.pool, self.lease.bank_id) or self.mission
-        self.summary.total = await store.count_pending(
+        self.summary.total = self.summary.processed + await store.count_pending(
             self.pool, self.lease.bank_id, self.lease.scope_filter
         )
         self._report()
@@ -440,7 +468,18 @@ class OperationRun:
         )
         if await queue.record_progress(self.pool, self.lease, self.summary.progress()):
             self.stop.set(StopReason.CANCEL)
+        elif await self._slice_over(full_wave=len(states) >= self.settings.wave_size):
+            self.stop.set(StopReason.SLICE)
         self._report()
+
+    async def _slice_over(self, full_wave: bool) -> bool:
+        """Whether to give the slot up: the slice has run out and another operation waits for
+        a slot. A wave shorter than the wave size was most likely the bank's last."""
+        if self.slice_s is None or not full_wave:
+            return False
+        if time.monotonic() - self.started < self.slice_s:
+            return False
+        return await queue.others_waiting(self.pool, self.lease)
 
     async def _reread_journal(self, states: Sequence[_MemoryState]) -> None:
         unsure = {s.memory.id: s for s in states if s.failure is None and s.remaining()}
@@ -517,6 +556,8 @@ class OperationRun:
             raise LeaseLost(f"operation {self.lease.operation_id} lost its lease")
         if self.stop.reason is StopReason.SHUTDOWN:
             raise _Interrupted("worker shutting down")
+        if self.stop.reason is StopReason.SLICE:
+            raise _Interrupted("time slice over")
         if self._abort:
             raise _SiblingFailed()
 
@@ -751,17 +792,28 @@ async def run_operation(
     stop: StopSignal | None = None,
     on_progress: ProgressCallback | None = None,
     embedder: Embedder | None = None,
+    slice_s: float | None = None,
 ) -> OperationEnd:
     """Run one claimed attempt to its end and record the final status (shielded, fenced).
 
     completed → ``completed``; cancel → ``cancelled``; shutdown → back to ``pending`` without
-    spending an attempt; LLM configuration error → ``failed`` at once; other errors → back to
-    ``pending`` with backoff until ``max_attempts``, then ``failed``; lost lease → no write.
-    With an ``embedder``, recall is hybrid and observations are stored with their vectors (the
-    database must have them: embeddings.require_vector_storage); its faults are the LLM's.
+    spending an attempt; after ``slice_s`` with other operations waiting → back to ``pending``
+    behind them, no attempt spent, progress kept; LLM configuration error → ``failed`` at once;
+    other errors → back to ``pending`` with backoff until ``max_attempts``, then ``failed``; lost
+    lease → no write. With an ``embedder``, recall is hybrid and observations are stored with
+    their vectors (the database must have them: embeddings.require_vector_storage); its faults
+    are the LLM's. A ``forget`` operation runs :class:`consolidation.forget.ForgetRun`.
     """
     stop = stop or StopSignal()
-    run = OperationRun(pool, lease, llm, settings, stop, on_progress, embedder)
+    run: OperationRun | ForgetRun
+    if lease.kind == queue.FORGET:
+        from consolidation.forget import ForgetRun  # forget.py builds on this module
+
+        run = ForgetRun(pool, lease, llm, settings, stop, embedder=embedder)
+    else:
+        run = OperationRun(
+            pool, lease, llm, settings, stop, on_progress, embedder=embedder, slice_s=slice_s
+        )
     bound = log.bind(operation_id=str(lease.operation_id), bank_id=lease.bank_id)
     bound.info("operation_started", attempt=lease.attempt, scope_filter=lease.scope_filter)
     inner = asyncio.create_task(run.run(), name=f"operation-{lease.operation_id}")
@@ -854,6 +906,18 @@ async def _record_end(
     if stop.reason is StopReason.CANCEL or isinstance(error, OperationCancelled):
         await queue.finish(pool, lease, "cancelled", result=result, error="cancelled on request")
         return OperationEnd("cancelled", summary, "cancelled on request")
+    if stop.reason is StopReason.SLICE:
+        slices = summary.slices + 1
+        status = await queue.yield_operation(pool, lease, {**result, "slices": slices})
+        metrics.OPERATION_SLICES.inc()
+        log.info(
+            "operation_yielded",
+            operation_id=str(lease.operation_id),
+            bank_id=lease.bank_id,
+            status=status,
+            slices=slices,
+        )
+        return OperationEnd(status, summary, None if status == "pending" else "cancelled")
     if stop.reason is StopReason.SHUTDOWN:
         status = await queue.release(
             pool,

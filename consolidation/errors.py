@@ -71,3 +71,7 @@ class OperationCancelled(ConsolidationError):
 
 class NotFound(ConsolidationError):
     """The named bank, operation or object does not exist."""
+
+
+class NotCancellable(ConsolidationError):
+    """The operation cannot be cancelled (a forget: what was asked to be forgotten must go)."""

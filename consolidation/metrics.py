@@ -21,6 +21,7 @@ __all__ = [
     "EMBEDDING_LATENCY",
     "EMBEDDING_REQUESTS",
     "EVENT_LOOP_LAG",
+    "FORGOTTEN",
     "LLM_IN_FLIGHT",
     "LLM_LATENCY",
     "LLM_REQUESTS",
@@ -29,6 +30,8 @@ __all__ = [
     "MEMORIES",
     "OPERATIONS",
     "OPERATIONS_RUNNING",
+    "OPERATION_SLICES",
+    "SWEPT",
     "EventLoopLagMonitor",
 ]
 
@@ -93,6 +96,21 @@ EVENT_LOOP_LAG = Gauge(
     "consolidation_event_loop_lag_seconds",
     "Event-loop lag (actual wake-up minus scheduled wake-up) over the monitor's sliding window.",
     ["quantile"],
+)
+
+OPERATION_SLICES = Counter(
+    "consolidation_operation_slices",
+    "Operations that gave their worker slot up at the end of a time slice because others waited "
+    "(CONSOLIDATION_OPERATION_SLICE_S); they continue later under the same id.",
+)
+SWEPT = Counter(
+    "consolidation_sweeper_enqueued",
+    "Operations the sweeper enqueued for banks nobody triggered, by kind (consolidate, forget).",
+    ["kind"],
+)
+FORGOTTEN = Counter(
+    "consolidation_forgotten_memories",
+    "Memories deleted by forget operations in this process.",
 )
 
 _WARN_EVERY_S = 30.0

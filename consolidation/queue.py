@@ -8,20 +8,27 @@ status='running'), so a worker that lost its lease can never write again (River'
 from __future__ import annotations
 
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 import asyncpg
 
-from consolidation.errors import LeaseLost, NotFound
+from consolidation.errors import LeaseLost, NotCancellable, NotFound
 from consolidation.scopes import Scope, scopes_from_db
 
 NOTIFY_SUBMIT = "consolidation_submit"
 NOTIFY_CANCEL = "consolidation_cancel"
 
 TERMINAL = frozenset({"completed", "failed", "cancelled"})
+
+# What an operation does: consolidate pending memories, or forget memories asked to be forgotten.
+CONSOLIDATE = "consolidate"
+FORGET = "forget"
+# Forgetting goes before any consolidation (users' priorities are within ±1000): a claim takes it
+# first, and a running consolidation of its bank yields to it at the end of its slice.
+FORGET_PRIORITY = 10_000
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,10 @@ class Lease:
     scope_filter: tuple[Scope, ...] | None
     max_attempts: int
     interruptions: int = 0  # earlier attempts handed back because the database was unreachable
+    kind: str = CONSOLIDATE
+    # The result stored when an earlier slice of this operation yielded its slot (fairness): this
+    # attempt continues it, so the operation reports one result until its bank is done.
+    resumed: Mapping[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -43,6 +54,7 @@ class Operation:
 
     id: uuid.UUID
     bank_id: str
+    kind: str
     status: str
     scope_filter: list[list[str]] | None
     priority: int
@@ -61,6 +73,7 @@ class Operation:
         return {
             "operation_id": str(self.id),
             "bank_id": self.bank_id,
+            "kind": self.kind,
             "status": self.status,
             "attempt": self.attempt,
             "progress": self.progress,
@@ -82,6 +95,7 @@ def _scope_filter_json(scopes: Sequence[Scope] | None) -> list[list[str]] | None
 
 def _lease_from_row(row: asyncpg.Record) -> Lease:
     raw = row["scope_filter"]
+    result = row["result"]
     return Lease(
         operation_id=row["id"],
         bank_id=row["bank_id"],
@@ -90,11 +104,13 @@ def _lease_from_row(row: asyncpg.Record) -> Lease:
         scope_filter=None if raw is None else scopes_from_db(raw),
         max_attempts=row["max_attempts"],
         interruptions=row["interruptions"],
+        kind=row["kind"],
+        resumed=result if isinstance(result, dict) and result.get("slices") else None,
     )
 
 
 OPERATION_COLUMNS = """
-id, bank_id, status, scope_filter, priority, attempt, max_attempts, worker_id, progress, result,
+id, bank_id, kind, status, scope_filter, priority, attempt, max_attempts, worker_id, progress, result,
 error, cancel_requested_at, created_at, started_at, finished_at
 """
 
@@ -106,13 +122,14 @@ WITH bank AS (
 )
 INSERT INTO operations (id, bank_id, status, scope_filter, priority, max_attempts)
 VALUES ($1, $2, 'pending', $3, $4, $5)
-ON CONFLICT (bank_id) WHERE status = 'pending' AND scope_filter IS NULL DO NOTHING
+ON CONFLICT (bank_id) WHERE status = 'pending' AND scope_filter IS NULL AND kind = 'consolidate'
+DO NOTHING
 RETURNING {OPERATION_COLUMNS}
 """
 
 PENDING_UNSCOPED = f"""
 SELECT {OPERATION_COLUMNS} FROM operations
-WHERE bank_id = $1 AND status = 'pending' AND scope_filter IS NULL
+WHERE bank_id = $1 AND status = 'pending' AND scope_filter IS NULL AND kind = 'consolidate'
 """
 
 
@@ -143,6 +160,38 @@ async def submit(
         if existing is not None:  # else it was claimed in between: try again
             return Submitted(_operation(existing), deduplicated=True)
     raise RuntimeError("could not submit an operation: the pending one kept changing")
+
+
+SUBMIT_FORGET = f"""
+INSERT INTO operations (id, bank_id, kind, status, priority, max_attempts)
+VALUES ($1, $2, 'forget', 'pending', {FORGET_PRIORITY}, $3)
+ON CONFLICT (bank_id) WHERE status = 'pending' AND kind = 'forget' DO NOTHING
+RETURNING {OPERATION_COLUMNS}
+"""
+
+PENDING_FORGET = f"""
+SELECT {OPERATION_COLUMNS} FROM operations
+WHERE bank_id = $1 AND status = 'pending' AND kind = 'forget'
+"""
+
+
+async def submit_forget(
+    conn: asyncpg.Pool | asyncpg.Connection, bank_id: str, *, max_attempts: int = 5
+) -> Operation:
+    """Enqueue the forget operation of an existing bank, or join the one already pending.
+
+    In the caller's transaction when ``conn`` is a connection inside one: the wake-up is sent when
+    it commits.
+    """
+    for _ in range(3):
+        row = await conn.fetchrow(SUBMIT_FORGET, uuid.uuid4(), bank_id, max_attempts)
+        if row is not None:
+            await conn.execute("SELECT pg_notify($1, $2)", NOTIFY_SUBMIT, bank_id)
+            return _operation(row)
+        existing = await conn.fetchrow(PENDING_FORGET, bank_id)
+        if existing is not None:  # else it was claimed in between: try again
+            return _operation(existing)
+    raise RuntimeError("could not submit a forget operation: the pending one kept changing")
 
 
 CREATE_RUNNING = f"""
@@ -237,7 +286,7 @@ SET status = 'running',
 FROM candidate
 WHERE o.id = candidate.id
 RETURNING o.id, o.bank_id, o.worker_id, o.attempt, o.scope_filter, o.max_attempts, o.status,
-          o.interruptions
+          o.interruptions, o.kind, o.result
 """
 
 
@@ -359,11 +408,17 @@ async def finish(
 # Back to pending for a later attempt. If a newer unscoped operation is already pending for the
 # bank, that one will cover the same memories, so this one ends instead of violating the index.
 RETRY = f"""
-WITH me AS (SELECT id, bank_id, scope_filter FROM operations WHERE {FENCE} FOR UPDATE),
+WITH me AS (SELECT id, bank_id, scope_filter, kind FROM operations WHERE {FENCE} FOR UPDATE),
      newer AS (
          SELECT o.id FROM operations o, me
          WHERE o.bank_id = me.bank_id AND o.status = 'pending' AND o.scope_filter IS NULL
-           AND me.scope_filter IS NULL)
+           AND me.scope_filter IS NULL AND o.kind = me.kind),
+     -- A superseded forget's memories are the newer forget's to delete: a repeated DELETE of
+     -- one of them answers that operation.
+     handed_over AS (
+         UPDATE forgotten_memories t SET operation_id = newer.id
+         FROM me, newer
+         WHERE t.operation_id = me.id AND t.completed_at IS NULL)
 UPDATE operations o
 SET status = CASE WHEN EXISTS (SELECT 1 FROM newer) THEN $7 ELSE 'pending' END,
     attempt = o.attempt - CASE WHEN $4 THEN 1 ELSE 0 END,
@@ -413,6 +468,223 @@ async def release(
     return str(status)
 
 
+# --- fairness: yielding a slot ----------------------------------------------------------------
+
+# Operations a worker slot would go to if this one gave its slot up: due pending operations of
+# banks with nothing running, and its own bank's that come first (a forget, a higher priority).
+OTHERS_WAITING = """
+SELECT EXISTS (
+    SELECT 1 FROM operations o
+    WHERE o.status = 'pending' AND o.run_after <= now() AND o.id <> $1
+      AND CASE WHEN o.bank_id = $2
+               THEN o.priority > (SELECT m.priority FROM operations m WHERE m.id = $1)
+               ELSE NOT EXISTS (SELECT 1 FROM operations r
+                                WHERE r.bank_id = o.bank_id AND r.status = 'running')
+          END)
+"""
+
+
+async def others_waiting(pool: asyncpg.Pool, lease: Lease) -> bool:
+    """Whether an operation other than ``lease``'s waits for a slot that this one could give."""
+    return bool(await pool.fetchval(OTHERS_WAITING, lease.operation_id, lease.bank_id))
+
+
+YIELDING = f"""
+SELECT scope_filter IS NULL AND kind = 'consolidate' AS unscoped,
+       cancel_requested_at IS NOT NULL AS cancel_requested
+FROM operations WHERE {FENCE} FOR UPDATE
+"""
+
+# A newer unscoped operation submitted while this one ran covers the same memories: this one,
+# which carries the progress so far, continues and absorbs it (its priority, if higher).
+ABSORB_NEWER = """
+UPDATE operations
+SET status = 'cancelled', finished_at = now(),
+    error = 'superseded by operation ' || $2::text || ', which continues its bank''s consolidation'
+WHERE bank_id = $1 AND status = 'pending' AND scope_filter IS NULL AND kind = 'consolidate'
+  AND id <> $2
+RETURNING priority
+"""
+
+YIELD = f"""
+UPDATE operations
+SET status = CASE WHEN cancel_requested_at IS NULL THEN 'pending' ELSE 'cancelled' END,
+    finished_at = CASE WHEN cancel_requested_at IS NULL THEN NULL ELSE now() END,
+    error = CASE WHEN cancel_requested_at IS NULL THEN NULL ELSE 'cancelled on request' END,
+    attempt = attempt - 1,
+    priority = GREATEST(priority, $4),
+    run_after = now(),
+    result = $5,
+    worker_id = NULL, lease_expires_at = NULL
+WHERE {FENCE}
+RETURNING status
+"""
+
+
+async def yield_operation(pool: asyncpg.Pool, lease: Lease, result: dict[str, Any]) -> str:
+    """Hand a running operation back to ``pending`` behind the operations that are due now, same
+    id, no attempt spent, ``result`` kept for its next attempt to continue; ``cancelled`` if a
+    cancel was asked meanwhile. Returns the new status. Raises LeaseLost."""
+    async with pool.acquire() as conn, conn.transaction():
+        me = await conn.fetchrow(YIELDING, *_fence_args(lease))
+        if me is None:
+            raise LeaseLost(
+                f"operation {lease.operation_id} attempt {lease.attempt} is no longer ours"
+            )
+        absorbed: list[int] = []
+        if me["unscoped"] and not me["cancel_requested"]:
+            rows = await conn.fetch(ABSORB_NEWER, lease.bank_id, lease.operation_id)
+            absorbed = [r["priority"] for r in rows]
+        status = await conn.fetchval(
+            YIELD, *_fence_args(lease), max(absorbed, default=-(2**31)), result
+        )
+    return str(status)
+
+
+# --- the sweeper -------------------------------------------------------------------------------
+
+# Arbitrary constant: one sweeper of the fleet at a time (a transaction-level try-lock).
+SWEEP_LOCK_KEY = 0x73776570  # "swep"
+MAX_SWEEP_BACKOFF_S = 600.0
+
+# Every bank with pending memories and no pending or running operation gets an unscoped
+# consolidation; every bank with memories asked to be forgotten and no pending or running forget
+# gets a forget. A bank whose latest operations of that kind failed waits
+# backoff × 2^(failures in a row − 1) after the last failure (at most MAX_SWEEP_BACKOFF_S).
+SWEEP = f"""
+WITH candidates AS (
+    SELECT b.id AS bank_id, k.kind
+    FROM banks b
+    CROSS JOIN (VALUES ('consolidate'), ('forget')) AS k(kind)
+    LEFT JOIN LATERAL (
+        SELECT count(*) AS failures, max(r.finished_at) AS last_failed_at
+        FROM (SELECT o.finished_at,
+                     bool_and(o.status = 'failed')
+                         OVER (ORDER BY o.created_at DESC ROWS UNBOUNDED PRECEDING) AS streak
+              FROM operations o
+              WHERE o.bank_id = b.id AND o.kind = k.kind
+              ORDER BY o.created_at DESC
+              LIMIT 16) AS r
+        WHERE r.streak
+    ) AS f ON true
+    WHERE CASE k.kind
+            WHEN 'consolidate' THEN
+                EXISTS (SELECT 1 FROM memories m
+                        WHERE m.bank_id = b.id AND m.consolidated_at IS NULL
+                          AND m.consolidation_failed_at IS NULL AND m.forgotten_at IS NULL)
+                AND NOT EXISTS (SELECT 1 FROM operations o
+                                WHERE o.bank_id = b.id AND o.status IN ('pending', 'running'))
+            ELSE
+                EXISTS (SELECT 1 FROM memories m
+                        WHERE m.bank_id = b.id AND m.forgotten_at IS NOT NULL)
+                AND NOT EXISTS (SELECT 1 FROM operations o
+                                WHERE o.bank_id = b.id AND o.kind = 'forget'
+                                  AND o.status IN ('pending', 'running'))
+          END
+      AND (f.failures = 0
+           OR f.last_failed_at + make_interval(
+                  secs => least($1::float8 * power(2::float8, f.failures - 1),
+                                {MAX_SWEEP_BACKOFF_S}))
+              <= now())
+), inserted AS (
+    INSERT INTO operations (id, bank_id, kind, status, priority, max_attempts)
+    SELECT gen_random_uuid(), c.bank_id, c.kind, 'pending',
+           CASE WHEN c.kind = 'forget' THEN {FORGET_PRIORITY} ELSE 0 END, $2
+    FROM candidates c
+    ON CONFLICT DO NOTHING
+    RETURNING id, bank_id, kind
+), tombstones AS (
+    -- A repeated DELETE of a memory still waiting answers the operation that will forget it.
+    UPDATE forgotten_memories t SET operation_id = i.id
+    FROM inserted i
+    WHERE i.kind = 'forget' AND t.bank_id = i.bank_id AND t.completed_at IS NULL
+)
+SELECT id, bank_id, kind FROM inserted ORDER BY bank_id, kind
+"""
+
+
+@dataclass(frozen=True)
+class Swept:
+    operation_id: uuid.UUID
+    bank_id: str
+    kind: str
+
+
+async def sweep(pool: asyncpg.Pool, *, retry_backoff_s: float, max_attempts: int) -> list[Swept]:
+    """Enqueue what nobody triggered (see SWEEP), unless another worker is sweeping right now;
+    returns the operations enqueued."""
+    async with pool.acquire() as conn, conn.transaction():
+        if not await conn.fetchval("SELECT pg_try_advisory_xact_lock($1)", SWEEP_LOCK_KEY):
+            return []
+        rows = await conn.fetch(SWEEP, retry_backoff_s, max_attempts)
+        for row in rows:
+            await conn.execute("SELECT pg_notify($1, $2)", NOTIFY_SUBMIT, row["bank_id"])
+    return [Swept(r["id"], r["bank_id"], r["kind"]) for r in rows]
+
+
+# --- the queue, fleet-wide (/metrics) ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class QueueCounts:
+    """Live operations of every bank, by kind: pending (``due`` of them may start now), running
+    (``expired`` of them: their worker stopped renewing the lease)."""
+
+    kind: str
+    pending: int
+    due: int
+    running: int
+    expired: int
+
+
+# Live operations only, through the partial indexes on pending and running operations; finished
+# ones are counted by each process as they end (consolidation_operations_total).
+QUEUE_COUNTS = """
+SELECT kind,
+       count(*) FILTER (WHERE status = 'pending') AS pending,
+       count(*) FILTER (WHERE status = 'pending' AND run_after <= now()) AS due,
+       count(*) FILTER (WHERE status = 'running') AS running,
+       count(*) FILTER (WHERE status = 'running' AND lease_expires_at < now()) AS expired
+FROM operations
+WHERE status IN ('pending', 'running')
+GROUP BY kind
+"""
+
+
+async def queue_counts(pool: asyncpg.Pool | asyncpg.Connection) -> list[QueueCounts]:
+    rows = await pool.fetch(QUEUE_COUNTS)
+    counts = {r["kind"]: QueueCounts(**dict(r)) for r in rows}
+    return [counts.get(kind, QueueCounts(kind, 0, 0, 0, 0)) for kind in (CONSOLIDATE, FORGET)]
+
+
+# --- deleting a bank ---------------------------------------------------------------------------
+
+CANCEL_BANK = """
+WITH live AS (
+    SELECT id, status FROM operations
+    WHERE bank_id = $1 AND status IN ('pending', 'running')
+    FOR UPDATE
+)
+UPDATE operations o
+SET status = 'cancelled', finished_at = now(), lease_expires_at = NULL,
+    cancel_requested_at = COALESCE(o.cancel_requested_at, now()),
+    error = 'cancelled: its bank was deleted'
+FROM live
+WHERE o.id = live.id
+RETURNING o.id, live.status AS was
+"""
+
+
+async def cancel_bank_operations(conn: asyncpg.Connection, bank_id: str) -> int:
+    """Cancel every pending and running operation of a bank, in the caller's transaction; the
+    workers running them are told when it commits (and are fenced out either way)."""
+    rows = await conn.fetch(CANCEL_BANK, bank_id)
+    for row in rows:
+        if row["was"] == "running":
+            await conn.execute("SELECT pg_notify($1, $2)", NOTIFY_CANCEL, str(row["id"]))
+    return len(rows)
+
+
 # --- cancel and read ------------------------------------------------------------------------
 
 CANCEL = f"""
@@ -420,7 +692,7 @@ UPDATE operations
 SET status = CASE WHEN status = 'pending' THEN 'cancelled' ELSE status END,
     finished_at = CASE WHEN status = 'pending' THEN now() ELSE finished_at END,
     cancel_requested_at = COALESCE(cancel_requested_at, now())
-WHERE id = $1 AND status IN ('pending', 'running')
+WHERE id = $1 AND status IN ('pending', 'running') AND kind = 'consolidate'
 RETURNING {OPERATION_COLUMNS}
 """
 
@@ -428,11 +700,18 @@ RETURNING {OPERATION_COLUMNS}
 async def request_cancel(pool: asyncpg.Pool, operation_id: uuid.UUID) -> Operation:
     """Cancel a pending operation at once, or ask the running one's worker to stop.
 
-    A finished operation is returned unchanged. Raises NotFound.
+    A finished operation is returned unchanged. Raises NotFound, and NotCancellable for a
+    forget operation that has not finished.
     """
     row = await pool.fetchrow(CANCEL, operation_id)
     if row is None:
-        return await get_operation(pool, operation_id)
+        op = await get_operation(pool, operation_id)
+        if op.kind == FORGET and op.status not in TERMINAL:
+            raise NotCancellable(
+                f"operation {operation_id} forgets memories and cannot be cancelled; "
+                "deleting the bank is the only way to stop it"
+            )
+        return op
     op = _operation(row)
     if op.status == "running":
         await pool.execute("SELECT pg_notify($1, $2)", NOTIFY_CANCEL, str(operation_id))

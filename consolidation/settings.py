@@ -101,6 +101,18 @@ class Settings(BaseSettings):
     shutdown_grace_s: float = Field(default=30.0, ge=0)
     max_attempts: int = Field(default=5, ge=1, le=100)
     retry_backoff_s: float = Field(default=5.0, ge=0)
+    sweep_interval_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="How often one worker of the fleet enqueues a consolidation for every bank "
+        "with pending memories and no operation; 0 disables the sweeper.",
+    )
+    operation_slice_s: float = Field(
+        default=60.0,
+        ge=0,
+        description="A running operation yields its worker slot at a wave boundary after this "
+        "long when other operations wait; 0 never yields.",
+    )
 
     http_host: str = "127.0.0.1"
     http_port: int = Field(default=8080, ge=0, le=65535)

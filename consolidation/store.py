@@ -10,7 +10,8 @@ from typing import Any
 
 import asyncpg
 
-from consolidation.errors import LeaseLost, ValidationError
+from consolidation import queue
+from consolidation.errors import LeaseLost, NotFound, ValidationError
 from consolidation.memories import NewMemory
 from consolidation.queue import Lease
 from consolidation.scopes import Scope, scope_from_db, scopes_from_db
@@ -94,7 +95,8 @@ class BankStats:
     oldest_pending_age_s: float | None
 
 
-# One bank's stats from one pass over its memories; also the rows of the bank list.
+# One bank's stats from one pass over its memories; also the rows of the bank list. Memories
+# asked to be forgotten (forgotten_at) count nowhere: they are on their way out.
 BANKS_WITH_STATS = """
 SELECT b.id, b.created_at, m.pending, m.consolidated, m.failed, m.oldest_pending_age_s,
        (SELECT count(*) FROM observations o WHERE o.bank_id = b.id) AS observations
@@ -107,7 +109,7 @@ CROSS JOIN LATERAL (
                AS oldest_pending_age_s
     FROM (SELECT created_at, consolidated_at, consolidation_failed_at,
                  consolidated_at IS NULL AND consolidation_failed_at IS NULL AS pending
-          FROM memories WHERE bank_id = b.id) bank_memories
+          FROM memories WHERE bank_id = b.id AND forgotten_at IS NULL) bank_memories
 ) m
 """
 
@@ -300,6 +302,307 @@ async def reset_bank(conn: asyncpg.Connection | asyncpg.Pool, bank_id: str) -> N
             await c.execute(statement, bank_id)
 
 
+# --- forgetting a memory (the request) ----------------------------------------------------
+
+FORGET_LOCK = """
+SELECT id FROM memories WHERE bank_id = $1 AND id = ANY($2::uuid[]) ORDER BY id FOR UPDATE
+"""
+
+FORGET_TARGETS = """
+SELECT i.id, m.id IS NOT NULL AS present, m.forgotten_at IS NOT NULL AS asked,
+       t.operation_id, o.status AS operation_status
+FROM unnest($2::uuid[]) AS i(id)
+LEFT JOIN memories m ON m.id = i.id AND m.bank_id = $1
+LEFT JOIN forgotten_memories t ON t.memory_id = i.id AND t.bank_id = $1
+LEFT JOIN operations o ON o.id = t.operation_id
+"""
+
+MARK_FORGOTTEN = """
+WITH marked AS (
+    UPDATE memories SET forgotten_at = now()
+    WHERE id = ANY($2::uuid[]) AND forgotten_at IS NULL
+)
+INSERT INTO forgotten_memories (memory_id, bank_id, operation_id)
+SELECT unnest($2::uuid[]), $1, $3
+ON CONFLICT (memory_id) DO UPDATE
+SET bank_id = EXCLUDED.bank_id, operation_id = EXCLUDED.operation_id, requested_at = now(),
+    completed_at = NULL
+"""
+
+
+async def request_forget(
+    conn: asyncpg.Connection | asyncpg.Pool,
+    bank_id: str,
+    memory_ids: Sequence[uuid.UUID],
+    *,
+    max_attempts: int = 5,
+) -> dict[uuid.UUID, uuid.UUID]:
+    """Ask for memories of a bank to be forgotten; returns the forget operation of each.
+
+    Only records the intent, in one short transaction: the memories are left out of waves,
+    counts and stats at once, and the bank's forget operation (enqueued, or joined) deletes them
+    and what was derived from them. Idempotent: a memory already asked for, or already forgotten,
+    answers the operation that does (or did) it. Raises NotFound, naming every id that is not a
+    memory of the bank, and then records nothing.
+    """
+    ids = list(dict.fromkeys(memory_ids))
+    async with _acquire(conn) as c, c.transaction():
+        await c.execute(FORGET_LOCK, bank_id, ids)
+        rows = await c.fetch(FORGET_TARGETS, bank_id, ids)
+        unknown = [r["id"] for r in rows if not r["present"] and r["operation_id"] is None]
+        if unknown:
+            listed = ", ".join(str(i) for i in unknown)
+            raise NotFound(f"bank {bank_id!r} has no memory {listed}")
+        answer: dict[uuid.UUID, uuid.UUID] = {}
+        to_mark: list[uuid.UUID] = []
+        for r in rows:
+            live = r["operation_status"] in ("pending", "running")
+            if not r["present"] or (r["asked"] and live):
+                answer[r["id"]] = r["operation_id"]
+            else:
+                to_mark.append(r["id"])
+        if to_mark:
+            op = await queue.submit_forget(c, bank_id, max_attempts=max_attempts)
+            await c.execute(MARK_FORGOTTEN, bank_id, to_mark, op.id)
+            answer.update(dict.fromkeys(to_mark, op.id))
+    return {i: answer[i] for i in ids}
+
+
+# --- forgetting a memory (the operation) --------------------------------------------------
+
+FORGOTTEN_OF_BANK = """
+SELECT id FROM memories WHERE bank_id = $1 AND forgotten_at IS NOT NULL ORDER BY id
+"""
+
+
+async def forgotten_of_bank(
+    conn: asyncpg.Connection | asyncpg.Pool, bank_id: str
+) -> list[uuid.UUID]:
+    """The memories of a bank asked to be forgotten and not deleted yet."""
+    return [r["id"] for r in await conn.fetch(FORGOTTEN_OF_BANK, bank_id)]
+
+
+@dataclass(frozen=True)
+class AffectedObservation:
+    """An observation that cites a memory being forgotten, with its other sources in
+    consolidation order."""
+
+    id: uuid.UUID
+    scope: Scope
+    remaining: tuple[uuid.UUID, ...]
+
+
+AFFECTED_OBSERVATIONS = """
+SELECT o.id, o.scope,
+       ARRAY(SELECT s.memory_id
+             FROM observation_sources s JOIN memories m ON m.id = s.memory_id
+             WHERE s.observation_id = o.id AND s.memory_id <> ALL($2::uuid[])
+             ORDER BY m.consolidation_order, m.id) AS remaining
+FROM observations o
+WHERE o.bank_id = $1
+  AND o.id IN (SELECT s.observation_id FROM observation_sources s
+               WHERE s.memory_id = ANY($2::uuid[]))
+ORDER BY o.id
+"""
+
+
+async def affected_observations(
+    conn: asyncpg.Connection | asyncpg.Pool, bank_id: str, forgotten: Sequence[uuid.UUID]
+) -> list[AffectedObservation]:
+    """The observations of a bank that cite any of ``forgotten``."""
+    rows = await conn.fetch(AFFECTED_OBSERVATIONS, bank_id, list(forgotten))
+    return [
+        AffectedObservation(r["id"], scope_from_db(r["scope"]), tuple(r["remaining"])) for r in rows
+    ]
+
+
+@dataclass(frozen=True)
+class MemoryFact:
+    """A memory as a pass shows it to the model."""
+
+    id: uuid.UUID
+    text: str
+    tags: tuple[str, ...]
+    occurred_at: datetime | None
+
+
+async def memory_facts(
+    conn: asyncpg.Connection | asyncpg.Pool, memory_ids: Sequence[uuid.UUID]
+) -> dict[uuid.UUID, MemoryFact]:
+    rows = await conn.fetch(
+        "SELECT id, text, tags, occurred_at FROM memories WHERE id = ANY($1::uuid[])",
+        list(memory_ids),
+    )
+    return {
+        r["id"]: MemoryFact(r["id"], r["text"], tuple(r["tags"]), r["occurred_at"]) for r in rows
+    }
+
+
+@dataclass(frozen=True)
+class DerivedObservation:
+    """An observation re-derived from the remaining sources of one being replaced."""
+
+    id: uuid.UUID
+    text: str
+    memory_ids: tuple[uuid.UUID, ...]
+
+
+class ForgetIncomplete(Exception):
+    """An observation citing a memory to forget still has another source: it was not re-derived
+    (the attempt fails and is retried, which re-derives it)."""
+
+
+REDERIVE = "SELECT consolidation_rederive_v1($1::jsonb)"
+FORGET = "SELECT consolidation_forget_v1($1::jsonb)"
+FORGET_INCOMPLETE = "CN003"
+
+
+def _fenced_payload(lease: Lease) -> dict[str, Any]:
+    return {
+        "operation_id": lease.operation_id,
+        "worker_id": lease.worker_id,
+        "attempt": lease.attempt,
+        "bank_id": lease.bank_id,
+    }
+
+
+async def _call_fenced(pool: asyncpg.Pool, statement: str, payload: dict[str, Any]) -> Any:
+    try:
+        return await pool.fetchval(statement, payload)
+    except asyncpg.PostgresError as exc:
+        if exc.sqlstate == FENCE_LOST:
+            raise LeaseLost(str(exc)) from None
+        if exc.sqlstate == NOT_IN_SCOPE:
+            raise StaleObservation(str(exc)) from None
+        if exc.sqlstate == FORGET_INCOMPLETE:
+            raise ForgetIncomplete(str(exc)) from None
+        raise
+
+
+async def replace_observation(
+    pool: asyncpg.Pool,
+    lease: Lease,
+    observation_id: uuid.UUID,
+    forgotten: Sequence[uuid.UUID],
+    derived: Sequence[DerivedObservation],
+) -> dict[str, int]:
+    """Replace an observation citing ``forgotten`` memories by ``derived`` (made from its other
+    sources alone), deleting it and its lineage's history, in ONE fenced transaction
+    (consolidation_rederive_v1). Idempotent. Raises LeaseLost or StaleObservation."""
+    payload = {
+        **_fenced_payload(lease),
+        "observation_id": observation_id,
+        "forgotten": list(forgotten),
+        "creates": [{"id": d.id, "text": d.text, "memory_ids": d.memory_ids} for d in derived],
+    }
+    counts: dict[str, int] = await _call_fenced(pool, REDERIVE, payload)
+    return counts
+
+
+async def complete_forget(
+    pool: asyncpg.Pool, lease: Lease, memory_ids: Sequence[uuid.UUID]
+) -> dict[str, int]:
+    """Delete memories asked to be forgotten and the observations left citing only them, in ONE
+    fenced transaction (consolidation_forget_v1). Idempotent. Raises LeaseLost or
+    ForgetIncomplete."""
+    payload = {**_fenced_payload(lease), "memory_ids": list(memory_ids)}
+    counts: dict[str, int] = await _call_fenced(pool, FORGET, payload)
+    return counts
+
+
+# --- deleting a bank ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BankCounts:
+    """What deleting a bank removes (or would remove)."""
+
+    memories: int
+    observations: int
+    observation_sources: int
+    observation_history: int
+    consolidation_outcomes: int
+    operations: int
+    operations_cancelled: int  # the pending and running ones among them
+
+
+BANK_COUNTS = """
+SELECT
+  (SELECT count(*) FROM memories WHERE bank_id = $1) AS memories,
+  (SELECT count(*) FROM observations WHERE bank_id = $1) AS observations,
+  (SELECT count(*) FROM observation_sources s JOIN observations o ON o.id = s.observation_id
+    WHERE o.bank_id = $1) AS observation_sources,
+  (SELECT count(*) FROM observation_history WHERE bank_id = $1) AS observation_history,
+  (SELECT count(*) FROM consolidation_outcomes c JOIN memories m ON m.id = c.memory_id
+    WHERE m.bank_id = $1) AS consolidation_outcomes,
+  (SELECT count(*) FROM operations WHERE bank_id = $1) AS operations,
+  (SELECT count(*) FROM operations WHERE bank_id = $1 AND status IN ('pending', 'running'))
+    AS operations_cancelled
+"""
+
+
+async def delete_bank(
+    conn: asyncpg.Connection | asyncpg.Pool, bank_id: str, *, dry_run: bool
+) -> BankCounts:
+    """Delete a bank and everything in it, in one transaction: its pending and running
+    operations are cancelled first (their workers are told, and fenced out anyway), then every
+    row goes. ``dry_run`` only counts. Raises NotFound."""
+    async with _acquire(conn) as c, c.transaction():
+        if await c.fetchval("SELECT 1 FROM banks WHERE id = $1 FOR UPDATE", bank_id) is None:
+            raise NotFound(f"bank {bank_id!r} does not exist")
+        counts = BankCounts(**dict(await c.fetchrow(BANK_COUNTS, bank_id)))
+        if dry_run:
+            return counts
+        await queue.cancel_bank_operations(c, bank_id)
+        await c.execute("DELETE FROM banks WHERE id = $1", bank_id)
+    return counts
+
+
+# --- the backlog, fleet-wide (/metrics) -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Backlog:
+    pending: int
+    failed: int
+    oldest_pending_age_s: float | None
+    # (bank, pending memories, age of its oldest pending memory), oldest first, at most top_n.
+    oldest_banks: list[tuple[str, int, float]]
+
+
+# One pass over the pending memories (the partial index memories_pending_idx) and one over the
+# failed ones (memories_failed_idx).
+BACKLOG = """
+WITH pending AS (
+    SELECT bank_id, count(*) AS n, min(created_at) AS oldest
+    FROM memories
+    WHERE consolidated_at IS NULL AND consolidation_failed_at IS NULL AND forgotten_at IS NULL
+    GROUP BY bank_id
+)
+SELECT (SELECT COALESCE(sum(n), 0) FROM pending)::bigint AS pending,
+       (SELECT count(*) FROM memories
+         WHERE consolidation_failed_at IS NOT NULL AND forgotten_at IS NULL) AS failed,
+       (SELECT extract(epoch FROM now() - min(oldest))::float8 FROM pending)
+         AS oldest_pending_age_s,
+       ARRAY(SELECT bank_id FROM pending ORDER BY oldest, bank_id LIMIT $1) AS banks,
+       ARRAY(SELECT n FROM pending ORDER BY oldest, bank_id LIMIT $1) AS counts,
+       ARRAY(SELECT extract(epoch FROM now() - oldest)::float8 FROM pending
+             ORDER BY oldest, bank_id LIMIT $1) AS ages
+"""
+
+
+async def backlog(conn: asyncpg.Connection | asyncpg.Pool, top_n: int) -> Backlog:
+    """Pending and failed memories of every bank, the oldest pending memory's age, and the
+    ``top_n`` banks whose oldest pending memory is oldest."""
+    r = await conn.fetchrow(BACKLOG, top_n)
+    return Backlog(
+        pending=r["pending"],
+        failed=r["failed"],
+        oldest_pending_age_s=r["oldest_pending_age_s"],
+        oldest_banks=list(zip(r["banks"], r["counts"], r["ages"], strict=True)),
+    )
+
+
 # --- the engine: waves, recall, apply, markers -------------------------------------------
 
 
@@ -317,7 +620,8 @@ class WaveMemory:
 
 
 # Keyset pagination in consolidation order: each operation walks the pending memories once, so
-# memories left pending on purpose (a scoped operation's other scopes) are not fetched again.
+# memories left pending on purpose (a scoped operation's other scopes) are not fetched again. A
+# memory asked to be forgotten is never fetched.
 FETCH_WAVE = """
 SELECT m.id, m.text, m.tags, m.occurred_at, m.consolidation_order,
        (SELECT jsonb_agg(s.scope) FROM memory_scopes s WHERE s.memory_id = m.id) AS scopes,
@@ -325,7 +629,7 @@ SELECT m.id, m.text, m.tags, m.occurred_at, m.consolidation_order,
            AS journaled
 FROM memories m
 WHERE m.bank_id = $1
-  AND m.consolidated_at IS NULL AND m.consolidation_failed_at IS NULL
+  AND m.consolidated_at IS NULL AND m.consolidation_failed_at IS NULL AND m.forgotten_at IS NULL
   AND (m.consolidation_order, m.id) > ($2::timestamptz, $3::uuid)
   AND ($5::jsonb IS NULL OR EXISTS (
       SELECT 1 FROM memory_scopes s
@@ -365,6 +669,7 @@ async def fetch_wave(
 COUNT_PENDING = """
 SELECT count(*) FROM memories m
 WHERE m.bank_id = $1 AND m.consolidated_at IS NULL AND m.consolidation_failed_at IS NULL
+  AND m.forgotten_at IS NULL
   AND ($2::jsonb IS NULL OR EXISTS (
       SELECT 1 FROM memory_scopes s
       WHERE s.memory_id = m.id AND s.scope IN (SELECT ARRAY(SELECT jsonb_array_elements_text(f))

@@ -24,6 +24,7 @@ from consolidation.embeddings import Embedder
 from consolidation.engine import OperationEnd, StopReason, StopSignal, run_operation
 from consolidation.llm import Consolidator
 from consolidation.settings import Settings
+from consolidation.sweeper import run_sweeper
 
 log = structlog.get_logger(__name__)
 
@@ -137,8 +138,10 @@ class Worker:
     # --- the loop -----------------------------------------------------------------------------
 
     async def run(self, shutdown: asyncio.Event) -> None:
-        """Claim and run operations until ``shutdown`` is set, then shut down gracefully."""
+        """Claim and run operations until ``shutdown`` is set, then shut down gracefully. The
+        sweeper (sweeper.py) runs beside the loop until then."""
         pinger = asyncio.create_task(self._ping_listener(), name="listen-ping")
+        sweeper = asyncio.create_task(run_sweeper(self.pool, self.settings), name="sweeper")
         try:
             await self._ensure_listener()
             self.log.info(
@@ -153,7 +156,8 @@ class Worker:
             await self._drain()
         finally:
             pinger.cancel()
-            await asyncio.gather(pinger, return_exceptions=True)
+            sweeper.cancel()
+            await asyncio.gather(pinger, sweeper, return_exceptions=True)
             if self._listener is not None:
                 await _close_quietly(self._listener)
         self.log.info("worker_stopped")
@@ -190,7 +194,13 @@ class Worker:
         stop = StopSignal()
         task = asyncio.create_task(
             run_operation(
-                self.pool, lease, self.llm, self.settings, stop=stop, embedder=self.embedder
+                self.pool,
+                lease,
+                self.llm,
+                self.settings,
+                stop=stop,
+                embedder=self.embedder,
+                slice_s=self.settings.operation_slice_s or None,
             ),
             name=f"slot-{lease.operation_id}",
         )
@@ -219,7 +229,7 @@ class Worker:
         else:
             status = task.result().status
         metrics.OPERATIONS.labels(status=status).inc()
-        if status == "pending":
+        if status == "pending" and task.result().error is not None:  # not a slice's yield
             self.log.info("operation_retried", operation_id=str(operation_id))
         self._wake.set()  # a slot is free
 

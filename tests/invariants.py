@@ -152,3 +152,21 @@ async def assert_consistent(pool: asyncpg.Pool, *, allow_pending: bool = False) 
             f"memory {memory_id} is a source in {scope}, not one of its write scopes"
         )
     return await census(pool)
+
+
+async def tables_containing(pool: asyncpg.Pool, needle: str) -> dict[str, int]:
+    """How many rows of each table of the schema hold ``needle`` in any column, as their text
+    (a row cast to text shows every column, tsvectors and arrays included); only tables where
+    it was found."""
+    found: dict[str, int] = {}
+    for table in await pool.fetch(
+        "SELECT tablename FROM pg_tables WHERE schemaname = 'public' ORDER BY tablename"
+    ):
+        name = table["tablename"]
+        count = await pool.fetchval(
+            f'SELECT count(*) FROM "{name}" AS t WHERE strpos(lower(t::text), lower($1)) > 0',
+            needle,
+        )
+        if count:
+            found[name] = count
+    return found

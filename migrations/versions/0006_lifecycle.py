@@ -18,7 +18,7 @@ Not for a rolling upgrade: the previous release's submit names the old unscoped-
 predicate; stop its replicas before the first replica of this release migrates.
 
 Revision ID: 0006
-Revises: 0004
+Revises: 0007
 Create Date: 2026-11-24
 """
 
@@ -29,7 +29,9 @@ from alembic import op
 from consolidation.sql import read
 
 revision: str = "0006"
-down_revision: str | None = "0004"
+# After 0007 although numbered before it: 0007 (the operations list) reached main first, and a
+# database already at 0007 must still get this revision.
+down_revision: str | None = "0007"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 

@@ -21,6 +21,15 @@ async def ingest(pool: asyncpg.Pool, bank: str, memories: Sequence[dict[str, Any
     return result.ids
 
 
+async def run_next(
+    pool: asyncpg.Pool, llm: Consolidator, config: Settings | None = None, **options: Any
+) -> OperationEnd:
+    """Claim the operation a worker would claim next and run that attempt to its end."""
+    lease = await queue.claim(pool, "test-worker", 30)
+    assert lease is not None, "no operation was due"
+    return await run_operation(pool, lease, llm, config or Settings(), **options)
+
+
 async def consolidate(
     pool: asyncpg.Pool,
     bank: str,
