@@ -45,24 +45,33 @@ class BacklogCollector(Collector):
         self.snapshot: Snapshot | None = None
         self._read_at = -1e9
         self._pool: asyncpg.Pool | None = None
+        self._reading: asyncio.Task[Snapshot] | None = None
 
     async def refresh(self, pool: asyncpg.Pool) -> None:
         """Read the figures again unless the last read (from this pool) is under ``MAX_AGE_S``
-        old."""
+        old; give up waiting after ``TIMEOUT_S``. A read given up on goes on in the background
+        (cancelling a query on a connection that does not answer can itself hang) and a later
+        scrape uses it; none is started beside it."""
         if pool is self._pool and time.monotonic() - self._read_at < MAX_AGE_S:
             return
-        started = time.monotonic()
-        try:
-            async with asyncio.timeout(TIMEOUT_S):
-                backlog = await store.backlog(pool, TOP_BANKS)
-                counts = await queue.queue_counts(pool)
-        except Exception as exc:
-            log.warning("backlog_unavailable", error=repr(exc))
+        reading = self._reading
+        if (
+            reading is None
+            or reading.done()
+            or reading.get_loop() is not asyncio.get_running_loop()
+        ):
+            reading = self._reading = asyncio.create_task(_read(pool), name="backlog-read")
+        done, _ = await asyncio.wait({reading}, timeout=TIMEOUT_S)
+        self._pool = pool
+        self._read_at = time.monotonic()
+        if not done:
+            log.warning("backlog_unavailable", error=f"no answer within {TIMEOUT_S}s")
+            self.snapshot = None
+        elif reading.exception() is not None:
+            log.warning("backlog_unavailable", error=repr(reading.exception()))
             self.snapshot = None
         else:
-            self.snapshot = Snapshot(backlog, counts, time.monotonic() - started)
-        self._read_at = time.monotonic()
-        self._pool = pool
+            self.snapshot = reading.result()
 
     def collect(self) -> Iterator[Metric]:
         snapshot = self.snapshot
@@ -136,6 +145,13 @@ class BacklogCollector(Collector):
         yield operations
         yield due
         yield expired
+
+
+async def _read(pool: asyncpg.Pool) -> Snapshot:
+    started = time.monotonic()
+    backlog = await store.backlog(pool, TOP_BANKS)
+    counts = await queue.queue_counts(pool)
+    return Snapshot(backlog, counts, time.monotonic() - started)
 
 
 BACKLOG = BacklogCollector()

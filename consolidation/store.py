@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -548,14 +549,16 @@ async def delete_bank(
     operations are cancelled first (their workers are told, and fenced out anyway), then every
     row goes. ``dry_run`` only counts. Raises NotFound."""
     async with _acquire(conn) as c, c.transaction():
+        # Operations first: a pass being applied holds its operation row (the fence) and then
+        # the bank row (foreign keys); taking them in the same order cannot deadlock with it.
+        cancelled = 0 if dry_run else await queue.cancel_bank_operations(c, bank_id)
         if await c.fetchval("SELECT 1 FROM banks WHERE id = $1 FOR UPDATE", bank_id) is None:
             raise NotFound(f"bank {bank_id!r} does not exist")
         counts = BankCounts(**dict(await c.fetchrow(BANK_COUNTS, bank_id)))
         if dry_run:
             return counts
-        await queue.cancel_bank_operations(c, bank_id)
         await c.execute("DELETE FROM banks WHERE id = $1", bank_id)
-    return counts
+    return dataclasses.replace(counts, operations_cancelled=cancelled)
 
 
 # --- the backlog, fleet-wide (/metrics) -------------------------------------------------------
