@@ -1,0 +1,124 @@
+"""The knowledge lifecycle with real `consolidation serve` processes: a forget killed with SIGKILL
+half-way is finished by another worker and leaves no trace (not in a table, not in a log), and
+an operation that failed while the LLM was down is swept again, so the bank drains by itself."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from consolidation import queue
+from consolidation.fake_llm import FakeLLMServer
+from tests.acceptance.harness import ServiceProcess, worker_env
+from tests.integration.engine_helpers import ingest, markers, wait_completed, wait_for
+from tests.integration.test_cli_ingest import run_cli
+from tests.invariants import assert_consistent, tables_containing
+
+pytestmark = pytest.mark.acceptance
+
+SECRET = "zebraquartz"
+
+
+async def test_a_forget_killed_half_way_is_finished_by_another_worker_and_leaves_no_trace(
+    pool: asyncpg.Pool,
+    database_url: str,
+    fake: FakeLLMServer,
+    services: list[ServiceProcess],
+    tmp_path: Path,
+) -> None:
+    memories = [
+        {"text": f"Person{t} drinks green tea every morning, note {i}", "tags": [f"topic-{t}"]}
+        for t in range(6)
+        for i in range(3)
+    ]
+    for t in range(6):
+        memories[3 * t]["text"] += f" with {SECRET} honey"
+    ids = await ingest(pool, "b", memories)
+    env = worker_env(
+        database_url,
+        fake.url,
+        CONSOLIDATION_LEASE_S="1",
+        CONSOLIDATION_GROUP_PARALLELISM="1",
+        CONSOLIDATION_SWEEP_INTERVAL_S="0",
+    )
+    first = ServiceProcess("first", tmp_path, env, "--no-api")
+    services.append(first)
+    await wait_completed(pool, (await queue.submit(pool, "b")).operation.id)
+    assert len(await tables_containing(pool, SECRET)) >= 2
+
+    fake.reset()
+    fake.control(latency_ms=300)
+    secrets = [str(ids[3 * t]) for t in range(6)]
+    asked = run_cli("forget", "b", *secrets, env={"CONSOLIDATION_DATABASE_URL": database_url})
+    assert asked.returncode == 0, asked.stderr
+    forget_id = await pool.fetchval("SELECT id FROM operations WHERE kind = 'forget'")
+    # Two of the six shared observations re-derived (and replaced), then the worker dies.
+    await wait_for(lambda: fake.stats()["completed"] >= 2, what="two re-derivations")
+    first.signal(signal.SIGKILL)
+    first.wait_exit()
+    assert await pool.fetchval("SELECT count(*) FROM memories WHERE forgotten_at IS NOT NULL") == 6
+    assert "observations" in await tables_containing(pool, SECRET)
+
+    second = ServiceProcess("second", tmp_path, env, "--no-api")
+    services.append(second)
+    await wait_completed(pool, forget_id)
+    operation = await queue.get_operation(pool, forget_id)
+    assert operation.attempt == 2 and operation.result is not None
+    assert operation.result["forgotten"] == 6
+
+    assert await tables_containing(pool, SECRET) == {}
+    for service in (first, second):
+        assert SECRET not in service.log_path.read_text()
+    assert SECRET not in asked.stdout + asked.stderr
+    census = await assert_consistent(pool)
+    assert census.memories == 12 and census.observations == 6 and census.sources == 12
+    second.signal(signal.SIGTERM)
+    assert second.wait_exit() == 0
+
+
+async def test_a_bank_whose_operation_failed_while_the_llm_was_down_drains_once_it_is_back(
+    pool: asyncpg.Pool,
+    database_url: str,
+    fake: FakeLLMServer,
+    services: list[ServiceProcess],
+    tmp_path: Path,
+) -> None:
+    fake.control(fail_rate=1.0, fail_status=503)
+    await ingest(pool, "b", [{"text": f"fact {i}", "tags": [f"t{i % 2}"]} for i in range(6)])
+    failing = (await queue.submit(pool, "b", max_attempts=2)).operation
+    env = worker_env(
+        database_url,
+        fake.url,
+        CONSOLIDATION_MAX_ATTEMPTS="2",
+        CONSOLIDATION_RETRY_BACKOFF_S="0.2",
+        CONSOLIDATION_SWEEP_INTERVAL_S="0.3",
+    )
+    worker = ServiceProcess("worker", tmp_path, env, "--no-api")
+    services.append(worker)
+    await wait_for(
+        lambda: pool.fetchval("SELECT status = 'failed' FROM operations WHERE id = $1", failing.id),
+        what="the operation to fail for good",
+    )
+    assert await markers(pool, "b") == {"consolidated": 0, "failed": 0, "pending": 6}
+
+    fake.control(fail_rate=0.0)  # the provider is back; nobody asks for anything
+    await wait_for(
+        lambda: pool.fetchval("SELECT count(*) = 0 FROM memories WHERE consolidated_at IS NULL"),
+        what="the bank to drain",
+    )
+    assert await markers(pool, "b") == {"consolidated": 6, "failed": 0, "pending": 0}
+    swept = worker.events("sweeper_enqueued")
+    assert swept and all(e["bank_id"] == "b" and e["kind"] == "consolidate" for e in swept)
+    await wait_for(
+        lambda: pool.fetchval(
+            "SELECT count(*) = 1 FROM operations WHERE status = 'completed' AND id <> $1",
+            failing.id,
+        ),
+        what="the swept operation to complete",
+    )
+    await assert_consistent(pool)
+    worker.signal(signal.SIGTERM)
+    assert worker.wait_exit() == 0
