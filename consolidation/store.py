@@ -61,14 +61,25 @@ async def ingest_memories(
     An id that already belongs to another bank raises ValidationError and writes nothing.
     """
     ids = [m.id for m in memories]
-    async with _acquire(conn) as c, c.transaction():
-        foreign = await c.fetch(CHECK_FOREIGN_IDS, ids, bank_id)
-        if foreign:
-            problems = [f"memory id {r['id']} already belongs to another bank" for r in foreign]
-            raise ValidationError("; ".join(problems), problems)
-        await c.execute(INSERT_BANK, bank_id)
-        # One JSON document rather than parallel arrays: tags and scopes are ragged lists.
-        rows = await c.fetch(INSERT_MEMORIES, bank_id, [_memory_record(m) for m in memories])
+    for attempt in (1, 2):
+        try:
+            async with _acquire(conn) as c, c.transaction():
+                foreign = await c.fetch(CHECK_FOREIGN_IDS, ids, bank_id)
+                if foreign:
+                    problems = [
+                        f"memory id {r['id']} already belongs to another bank" for r in foreign
+                    ]
+                    raise ValidationError("; ".join(problems), problems)
+                await c.execute(INSERT_BANK, bank_id)
+                # One JSON document rather than parallel arrays: tags and scopes are ragged lists.
+                records = [_memory_record(m) for m in memories]
+                rows = await c.fetch(INSERT_MEMORIES, bank_id, records)
+            break
+        except asyncpg.ForeignKeyViolationError:
+            # The bank was deleted (DELETE /v1/banks/{bank}) while this waited for it: once more,
+            # which starts the bank anew.
+            if attempt == 2:
+                raise
     return IngestResult(ids=ids, inserted=len(rows))
 
 
@@ -344,10 +355,13 @@ async def request_forget(
     counts and stats at once, and the bank's forget operation (enqueued, or joined) deletes them
     and what was derived from them. Idempotent: a memory already asked for, or already forgotten,
     answers the operation that does (or did) it. Raises NotFound, naming every id that is not a
-    memory of the bank, and then records nothing.
+    memory of the bank (or the bank, when it does not exist), and then records nothing.
     """
     ids = list(dict.fromkeys(memory_ids))
     async with _acquire(conn) as c, c.transaction():
+        # The bank row before the memories': a deletion of the bank takes them in that order.
+        if await c.fetchval("SELECT 1 FROM banks WHERE id = $1 FOR KEY SHARE", bank_id) is None:
+            raise NotFound(f"bank {bank_id!r} does not exist")
         await c.execute(FORGET_LOCK, bank_id, ids)
         rows = await c.fetch(FORGET_TARGETS, bank_id, ids)
         unknown = [r["id"] for r in rows if not r["present"] and r["operation_id"] is None]

@@ -148,8 +148,11 @@ async def test_asking_again_answers_the_same_operation_before_and_after_it_ran(
         await llm.aclose()
     assert await pool.fetchval("SELECT count(*) FROM memories") == 0
     assert await store.request_forget(pool, "b", [first]) == asked
-    with pytest.raises(NotFound, match=str(first)):
+    await ingest(pool, "other", [{"text": "three"}])
+    with pytest.raises(NotFound, match=str(first)):  # not a memory of that bank
         await store.request_forget(pool, "other", [first])
+    with pytest.raises(NotFound, match="bank 'nope' does not exist"):
+        await store.request_forget(pool, "nope", [first])
     unknown = uuid.uuid4()
     with pytest.raises(NotFound, match=str(unknown)):
         await store.request_forget(pool, "b", [second, unknown])

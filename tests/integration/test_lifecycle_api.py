@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from consolidation import backlog, db, queue, store
 from consolidation.api import create_app
 from consolidation.engine import StopReason, StopSignal
+from consolidation.errors import NotFound
 from consolidation.fake_llm import FakeLLMServer
 from consolidation.settings import load_settings
 from tests.integration.engine_helpers import http_llm, run_next, wait_for
@@ -261,3 +262,47 @@ async def test_a_bank_deleted_while_a_pass_is_being_applied_waits_for_it_without
     counts = await deleting
     assert counts.observations == 1 and counts.operations_cancelled == 1
     assert await tables_containing(pool, "doomed") == {}
+
+
+async def test_an_ingestion_that_waited_for_its_bank_being_deleted_starts_the_bank_anew(
+    pool: asyncpg.Pool,
+) -> None:
+    await ingest_direct(pool, "b", [{"text": "old", "tags": []}])
+    async with pool.acquire() as deleting:
+        transaction = deleting.transaction()
+        await transaction.start()
+        await deleting.execute("SELECT 1 FROM banks WHERE id = 'b' FOR UPDATE")
+        adding = asyncio.create_task(ingest_direct(pool, "b", [{"text": "new", "tags": []}]))
+        await wait_for(
+            lambda: pool.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            ),
+            what="the ingestion to wait for the bank",
+        )
+        await deleting.execute("DELETE FROM banks WHERE id = 'b'")
+        await transaction.commit()
+    await adding
+    texts = await pool.fetch("SELECT text FROM memories WHERE bank_id = 'b'")
+    assert [r["text"] for r in texts] == ["new"]
+
+
+async def test_a_forget_asked_while_its_bank_is_being_deleted_finds_no_bank(
+    pool: asyncpg.Pool,
+) -> None:
+    (memory_id,) = await ingest_direct(pool, "b", [{"text": "old", "tags": []}])
+    async with pool.acquire() as deleting:
+        transaction = deleting.transaction()
+        await transaction.start()
+        await deleting.execute("SELECT 1 FROM banks WHERE id = 'b' FOR UPDATE")
+        asking = asyncio.create_task(store.request_forget(pool, "b", [memory_id]))
+        await wait_for(
+            lambda: pool.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            ),
+            what="the request to wait for the bank",
+        )
+        await deleting.execute("DELETE FROM banks WHERE id = 'b'")
+        await transaction.commit()
+    with pytest.raises(NotFound, match="bank 'b' does not exist"):
+        await asking
+    assert await pool.fetchval("SELECT count(*) FROM operations") == 0
