@@ -4,6 +4,7 @@ python -m bench all            # every target (about 15 minutes on 2 cores); upd
 python -m bench all --quick    # smaller banks, fewer repeats (a few minutes)
 python -m bench efficiency|lag|throughput|rss|profile [--quick]
 python -m bench plan           # ideal times of several bank shapes, no database
+python -m bench fairness       # small banks' wait behind a 10,000-memory bank (one serve)
 python -m bench generate N > bank.jsonl   # a bank for `consolidation ingest`
 python -m bench recall         # recall quality: full text vs hybrid, all-MiniLM-L6-v2 on CPU
 python -m bench minilm [--check | --port N]   # that model behind /v1/embeddings
@@ -23,7 +24,7 @@ from typing import Any
 
 import orjson
 
-from bench import report, scenarios
+from bench import fairness, report, scenarios
 from bench.infra import pgvector_server
 from bench.workload import BankShape, generate
 
@@ -218,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="ideal times of several bank shapes (no database)")
     p.add_argument("--memories", type=int, default=1600)
     p.set_defaults(handler=cmd_plan)
+    fairness.add_parser(sub)
     p = sub.add_parser("generate", help="write a bank as JSONL (for `consolidation ingest`)")
     p.add_argument("memories", type=int)
     p.add_argument("--groups", type=int, default=64)
