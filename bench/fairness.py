@@ -29,7 +29,7 @@ from typing import Any
 import asyncpg
 import orjson
 
-from bench.infra import FakeLLM, with_database
+from bench.infra import FakeLLM, start_worker, with_database
 from bench.workload import BankShape, chunks, generate
 from consolidation import db, queue, store
 from consolidation.memories import parse_memories
@@ -92,35 +92,17 @@ async def one_run(admin_url: str, big: bool, slice_s: float, log_dir: Path) -> R
                     await store.ingest_memories(pool, BIG, parse_memories(chunk))
                 await pool.execute("VACUUM ANALYZE")
                 await queue.submit(pool, BIG)
-            env = {
-                **os.environ,
-                "CONSOLIDATION_DATABASE_URL": url,
-                "CONSOLIDATION_LLM_BASE_URL": fake.url,
-                "CONSOLIDATION_WORKER_CONCURRENCY": str(CONCURRENCY),
-                "CONSOLIDATION_OPERATION_SLICE_S": f"{slice_s:g}",
-                "CONSOLIDATION_SWEEP_INTERVAL_S": "0",
-                "CONSOLIDATION_AUTO_CONSOLIDATE": "false",
-                "CONSOLIDATION_LOG_FORMAT": "json",
-            }
-            with log.open("wb") as out:
-                worker = await asyncio.create_subprocess_exec(
-                    sys.executable,
-                    "-m",
-                    "consolidation.cli",
-                    "serve",
-                    "--no-api",
-                    env=env,
-                    stdout=out,
-                    stderr=asyncio.subprocess.STDOUT,
-                )
-            process = worker
-
-            async def worker_started() -> bool:
-                if process.returncode is not None:
-                    raise RuntimeError(f"worker exited; see {log}")
-                return b"worker_started" in await asyncio.to_thread(log.read_bytes)
-
-            await _until(worker_started, "the worker to start", 60)
+            worker = await start_worker(
+                {
+                    "CONSOLIDATION_DATABASE_URL": url,
+                    "CONSOLIDATION_LLM_BASE_URL": fake.url,
+                    "CONSOLIDATION_WORKER_CONCURRENCY": str(CONCURRENCY),
+                    "CONSOLIDATION_OPERATION_SLICE_S": f"{slice_s:g}",
+                    "CONSOLIDATION_SWEEP_INTERVAL_S": "0",
+                    "CONSOLIDATION_AUTO_CONSOLIDATE": "false",
+                },
+                log,
+            )
             started = time.monotonic()
             if big:
                 await _until(

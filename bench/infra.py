@@ -240,3 +240,29 @@ async def pgvector_server(admin_url: str, log: Any = print) -> AsyncIterator[str
             yield server.get_uri()
         finally:
             server.cleanup()
+
+
+async def start_worker(settings: dict[str, str], log_path: Path) -> asyncio.subprocess.Process:
+    """``consolidation serve --no-api`` with ``settings`` (full CONSOLIDATION_* names) added to
+    the environment, JSON log in ``log_path``; returns once it logged ``worker_started``."""
+    env = {**os.environ, "CONSOLIDATION_LOG_FORMAT": "json", **settings}
+    with log_path.open("wb") as out:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "consolidation.cli",
+            "serve",
+            "--no-api",
+            env=env,
+            stdout=out,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+    deadline = time.monotonic() + 60
+    while b"worker_started" not in await asyncio.to_thread(log_path.read_bytes):
+        if process.returncode is not None or time.monotonic() > deadline:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+            raise RuntimeError(f"worker did not start; see {log_path}")
+        await asyncio.sleep(0.05)
+    return process

@@ -13,14 +13,13 @@ import argparse
 import asyncio
 import os
 import statistics
-import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
 
 import asyncpg
 
+from bench.infra import start_worker
 from consolidation import db, queue, store
 from consolidation.memories import parse_memories
 
@@ -37,30 +36,15 @@ async def main(samples: int) -> None:
     try:
         await db.migrate(url)
         pool = await db.create_pool(url)
-        env = {
-            **os.environ,
-            "CONSOLIDATION_DATABASE_URL": url,
-            "CONSOLIDATION_POLL_INTERVAL_S": "3600",
-            "CONSOLIDATION_AUTO_CONSOLIDATE": "false",
-            "CONSOLIDATION_LOG_FORMAT": "json",
-            "CONSOLIDATION_LOG_LEVEL": "INFO",
-        }
-        with log.open("wb") as out:
-            worker = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "consolidation.cli",
-                "serve",
-                "--no-api",
-                env=env,
-                stdout=out,
-                stderr=asyncio.subprocess.STDOUT,
-            )
-        deadline = time.monotonic() + 60
-        while b"worker_started" not in log.read_bytes():
-            if time.monotonic() > deadline or worker.returncode is not None:
-                raise SystemExit(f"worker did not start:\n{log.read_text()}")
-            await asyncio.sleep(0.05)
+        worker = await start_worker(
+            {
+                "CONSOLIDATION_DATABASE_URL": url,
+                "CONSOLIDATION_POLL_INTERVAL_S": "3600",
+                "CONSOLIDATION_AUTO_CONSOLIDATE": "false",
+                "CONSOLIDATION_LOG_LEVEL": "INFO",
+            },
+            log,
+        )
         latencies = []
         for i in range(samples):
             bank = f"wake-{i}"

@@ -56,6 +56,12 @@ def cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
     return EXIT_OK
 
 
+def _check_bank_arg(bank: str) -> None:
+    problems = bank_id_problems(bank)
+    if problems:
+        raise CLIError(problems[0])
+
+
 # --- ingest ---------------------------------------------------------------------------------
 
 
@@ -105,9 +111,7 @@ async def _ingest(settings: Settings, bank: str, memories: list[NewMemory]) -> t
 
 
 def cmd_ingest(args: argparse.Namespace, settings: Settings) -> int:
-    problems = bank_id_problems(args.bank)
-    if problems:
-        raise CLIError(problems[0])
+    _check_bank_arg(args.bank)
     memories = read_memories_file(args.bank, args.file)
     total, inserted = runtime.run(_ingest(settings, args.bank, memories), settings.event_loop)
     print(
@@ -207,9 +211,7 @@ def describe_operation(op: Operation) -> str:
 
 
 def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
-    problems = bank_id_problems(args.bank)
-    if problems:
-        raise CLIError(problems[0])
+    _check_bank_arg(args.bank)
     bar = ProgressBar(enabled=sys.stderr.isatty() and not args.json)
     op = runtime.run(_replay(settings, args.bank, args.reset, bar), settings.event_loop)
     if args.json:
@@ -244,17 +246,13 @@ async def _forget(
     url = await db.prepare_database(settings)
     conn = await db.connect(url)
     try:
-        if not await store.bank_exists(conn, bank):
-            raise CLIError(f"bank {bank!r} does not exist", EXIT_FAILED)
         return await store.request_forget(conn, bank, ids, max_attempts=settings.max_attempts)
     finally:
         await conn.close()
 
 
 def cmd_forget(args: argparse.Namespace, settings: Settings) -> int:
-    problems = bank_id_problems(args.bank)
-    if problems:
-        raise CLIError(problems[0])
+    _check_bank_arg(args.bank)
     ids = parse_memory_ids(args.memory_ids)
     forgets = runtime.run(_forget(settings, args.bank, ids), settings.event_loop)
     for memory_id, operation_id in forgets.items():

@@ -469,7 +469,6 @@ class ForgetIncomplete(Exception):
 
 REDERIVE = "SELECT consolidation_rederive_v1($1::jsonb)"
 FORGET = "SELECT consolidation_forget_v1($1::jsonb)"
-FORGET_INCOMPLETE = "CN003"
 
 
 def _fenced_payload(lease: Lease) -> dict[str, Any]:
@@ -485,12 +484,7 @@ async def _call_fenced(pool: asyncpg.Pool, statement: str, payload: dict[str, An
     try:
         return await pool.fetchval(statement, payload)
     except asyncpg.PostgresError as exc:
-        if exc.sqlstate == FENCE_LOST:
-            raise LeaseLost(str(exc)) from None
-        if exc.sqlstate == NOT_IN_SCOPE:
-            raise StaleObservation(str(exc)) from None
-        if exc.sqlstate == FORGET_INCOMPLETE:
-            raise ForgetIncomplete(str(exc)) from None
+        _raise_typed(exc)
         raise
 
 
@@ -538,7 +532,7 @@ class BankCounts:
     observation_history: int
     consolidation_outcomes: int
     operations: int
-    operations_cancelled: int  # the pending and running ones among them
+    operations_cancelled: int  # the pending and running ones among operations
 
 
 BANK_COUNTS = """
@@ -814,6 +808,7 @@ APPLY_PASS_HYBRID = (
 )
 FENCE_LOST = "CN001"
 NOT_IN_SCOPE = "CN002"
+FORGET_INCOMPLETE = "CN003"
 
 
 async def apply_pass(
@@ -861,14 +856,21 @@ async def apply_pass(
     try:
         rows = await pool.fetch(statement, payload, *args)
     except asyncpg.PostgresError as exc:
-        if exc.sqlstate == FENCE_LOST:
-            raise LeaseLost(str(exc)) from None
-        if exc.sqlstate == NOT_IN_SCOPE:
-            raise StaleObservation(str(exc)) from None
+        _raise_typed(exc)
         raise
     if recall_next is None:
         return None
     return _recalled(rows)
+
+
+def _raise_typed(exc: asyncpg.PostgresError) -> None:
+    """The typed exception for an error the database functions raise on purpose, if it is one."""
+    if exc.sqlstate == FENCE_LOST:
+        raise LeaseLost(str(exc)) from None
+    if exc.sqlstate == NOT_IN_SCOPE:
+        raise StaleObservation(str(exc)) from None
+    if exc.sqlstate == FORGET_INCOMPLETE:
+        raise ForgetIncomplete(str(exc)) from None
 
 
 def _observation_json(write: ObservationWrite, embeddings: bool) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import pytest
 
 from consolidation import queue, store
 from consolidation.settings import Settings
-from consolidation.sweeper import sweep_once
+from consolidation.sweeper import run_sweeper, sweep_once
 from tests.integration.engine_helpers import ingest
 
 SETTINGS = Settings(retry_backoff_s=100)
@@ -115,3 +115,9 @@ async def test_a_success_after_failures_resets_the_wait(pool: asyncpg.Pool) -> N
     )
     await failed_operations(pool, "b", [150])  # one failure since: 100 s
     assert len(await sweep_once(pool, SETTINGS)) == 1
+
+
+async def test_an_interval_of_zero_turns_the_sweeper_off(pool: asyncpg.Pool) -> None:
+    await ingest(pool, "stranded", [{"text": "fact", "tags": []}])
+    await asyncio.wait_for(run_sweeper(pool, Settings(sweep_interval_s=0)), 30)  # returns
+    assert await live(pool) == set()

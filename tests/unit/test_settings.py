@@ -66,3 +66,17 @@ def test_a_retry_budget_shorter_than_the_timeout_names_both_variables(
     message = str(excinfo.value)
     assert "CONSOLIDATION_LLM_RETRY_BUDGET_S (20)" in message
     assert "CONSOLIDATION_LLM_TIMEOUT_S (30)" in message and "\n" not in message
+
+
+def test_the_lifecycle_settings_default_to_a_minute_and_zero_turns_them_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    settings = load_settings()
+    assert settings.sweep_interval_s == 60 and settings.operation_slice_s == 60
+    monkeypatch.setenv("CONSOLIDATION_SWEEP_INTERVAL_S", "0")
+    monkeypatch.setenv("CONSOLIDATION_OPERATION_SLICE_S", "0")
+    off = load_settings()
+    assert off.sweep_interval_s == 0 and off.operation_slice_s == 0
+    monkeypatch.setenv("CONSOLIDATION_SWEEP_INTERVAL_S", "-1")
+    with pytest.raises(ConfigError, match="CONSOLIDATION_SWEEP_INTERVAL_S"):
+        load_settings()
