@@ -38,6 +38,8 @@ from consolidation.prompts import (
     ObservationInput,
     PassPlan,
     build_request,
+    pass_chat,
+    repair_chat,
 )
 from consolidation.scopes import Scope
 
@@ -201,7 +203,8 @@ class ForgetRun(OperationRun):
         self, scope: Scope, sources: Sequence[_Source], perf: PerfLog
     ) -> list[Derived]:
         """Ask the model what ``sources`` alone say, batch after batch, each batch seeing what
-        the earlier ones made. An unusable answer is asked again once, then the batch is halved;
+        the earlier ones made. An unusable answer is asked again once (shown its problems, as a
+        consolidation pass is), then the batch is halved;
         a single source that still gets no usable answer is left out (its journal row then
         names no observation of this scope)."""
         working: list[Derived] = []
@@ -245,13 +248,15 @@ class ForgetRun(OperationRun):
             ],
             [ObservationInput(d.id, d.text, len(d.memory_ids), now) for d in shown],
         )
+        chat = pass_chat(request)
         for attempt in (1, 2):
             try:
-                return await self._ask(request, perf)
-            except InvalidLLMOutput:
+                return await self._ask(request, chat, perf)
+            except InvalidLLMOutput as exc:
                 perf.llm_failures += 1
                 if attempt == 2:
                     raise
+                chat = repair_chat(chat, exc)  # as the engine: the answer and its problems
         raise AssertionError("unreachable")
 
     async def _record_progress(self) -> None:
