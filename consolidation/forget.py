@@ -7,8 +7,9 @@ It runs like any operation (one per bank at a time, claimed, leased, every write
    sources alone, through DESIGN §3 passes whose facts are those sources (in consolidation order,
    ``LLM_BATCH_SIZE`` at a time) and whose observations are only what this re-derivation made so
    far — never the old text — then replaced in one transaction (``store.replace_observation``:
-   the new observations and their sources, the journal of the remaining sources, and the old
-   observation with the history of everything merged into it deleted);
+   the new observations and their sources — with embeddings, their vectors —, the journal of
+   the remaining sources, and the old observation with the history of everything merged into
+   it deleted);
 3. one transaction (``store.complete_forget``) deletes the observations left citing only
    forgotten memories and their lineage's history, withholds failure reasons that may quote the
    memories, deletes the memories (their scopes, journal and source rows go with them) and stamps
@@ -24,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -179,11 +180,19 @@ class ForgetRun(OperationRun):
         perf = PerfLog(memories=len(sources))
         try:
             derived = await self._derive(observation.scope, sources, perf)
+            if self.embedder is not None and derived:
+                vectors = await self._embed([d.text for d in derived], perf)
+                derived = [replace(d, embedding=v) for d, v in zip(derived, vectors, strict=True)]
         finally:
             async with self._perf_lock:
                 self.summary.perf += perf
         counts = await store.replace_observation(
-            self.pool, self.lease, observation.id, forgotten, derived
+            self.pool,
+            self.lease,
+            observation.id,
+            forgotten,
+            derived,
+            embeddings=self.embedder is not None,
         )
         self.summary.observations_rederived += counts["replaced"]
         self.summary.observations_created += counts["created"]

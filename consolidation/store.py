@@ -460,6 +460,7 @@ class DerivedObservation:
     id: uuid.UUID
     text: str
     memory_ids: tuple[uuid.UUID, ...]
+    embedding: str | None = None  # with embeddings: the vector of ``text``
 
 
 class ForgetIncomplete(Exception):
@@ -494,15 +495,22 @@ async def replace_observation(
     observation_id: uuid.UUID,
     forgotten: Sequence[uuid.UUID],
     derived: Sequence[DerivedObservation],
+    *,
+    embeddings: bool = False,
 ) -> dict[str, int]:
     """Replace an observation citing ``forgotten`` memories by ``derived`` (made from its other
     sources alone), deleting it and its lineage's history, in ONE fenced transaction
-    (consolidation_rederive_v1). Idempotent. Raises LeaseLost or StaleObservation."""
+    (consolidation_rederive_v1); with ``embeddings``, each stored with its vector. Idempotent.
+    Raises LeaseLost or StaleObservation."""
     payload = {
         **_fenced_payload(lease),
         "observation_id": observation_id,
         "forgotten": list(forgotten),
-        "creates": [{"id": d.id, "text": d.text, "memory_ids": d.memory_ids} for d in derived],
+        "embeddings": embeddings,
+        "creates": [
+            {"id": d.id, "text": d.text, "memory_ids": d.memory_ids, "embedding": d.embedding}
+            for d in derived
+        ],
     }
     counts: dict[str, int] = await _call_fenced(pool, REDERIVE, payload)
     return counts

@@ -6,8 +6,10 @@
 -- observation's lineage and the observation itself are deleted. An observation that is already
 -- gone (an earlier attempt committed this) is left alone, so a redo changes nothing.
 --
--- p: {"operation_id", "worker_id", "attempt", "bank_id", "observation_id",
---     "forgotten": [memory id…], "creates": [{"id", "text", "memory_ids": [memory id…]}]}
+-- p: {"operation_id", "worker_id", "attempt", "bank_id", "observation_id", "embeddings",
+--     "forgotten": [memory id…],
+--     "creates": [{"id", "text", "memory_ids": [memory id…], "embedding": vector text or null}]}
+-- ("embeddings": true when embeddings are configured; each create then carries its vector.)
 -- Returns {"replaced": 0 or 1, "created": n, "history_deleted": n}. Raises SQLSTATE CN001 when
 -- the operation is no longer the caller's (the fence), CN002 when a create cites a memory that
 -- is not a remaining source of the observation. Either way nothing is written.
@@ -57,9 +59,18 @@ BEGIN
     ) AS n
     WHERE o.memory_id = n.memory_id AND o.scope = n.scope;
 
-    INSERT INTO observations (id, bank_id, scope, text)
-    SELECT (c->>'id')::uuid, v_bank, v_scope, c->>'text'
-    FROM jsonb_array_elements(p->'creates') AS c;
+    IF (p->>'embeddings')::boolean THEN
+        -- Only with embeddings configured (the column exists then; plpgsql plans a statement
+        -- when it first runs it): each new observation with the vector of its text.
+        INSERT INTO observations (id, bank_id, scope, text, embedding, embedding_version)
+        SELECT (c->>'id')::uuid, v_bank, v_scope, c->>'text', (c->>'embedding')::vector,
+               CASE WHEN c->>'embedding' IS NOT NULL THEN 1 END
+        FROM jsonb_array_elements(p->'creates') AS c;
+    ELSE
+        INSERT INTO observations (id, bank_id, scope, text)
+        SELECT (c->>'id')::uuid, v_bank, v_scope, c->>'text'
+        FROM jsonb_array_elements(p->'creates') AS c;
+    END IF;
 
     INSERT INTO observation_sources (observation_id, memory_id, operation_id)
     SELECT (c->>'id')::uuid, m::uuid, v_op

@@ -14,7 +14,8 @@ import asyncpg
 import pytest
 
 from consolidation import queue, store
-from consolidation.engine import StopReason, StopSignal
+from consolidation.embeddings import HTTPEmbedder
+from consolidation.engine import StopReason, StopSignal, run_operation
 from consolidation.errors import NotCancellable, NotFound
 from consolidation.fake_llm import BADJSON_MARKER, FakeLLMServer
 from consolidation.settings import Settings
@@ -327,3 +328,36 @@ async def test_forgetting_never_blocks_ingestion_into_the_bank(
         assert again == {ids[0]: later[added[0]], added[0]: later[added[0]]}
     finally:
         await llm.aclose()
+
+
+async def test_with_embeddings_a_rederived_observation_is_stored_with_its_vector(
+    vector_pool: asyncpg.Pool, fake: FakeLLMServer
+) -> None:
+    pool = vector_pool
+    ids = await ingest(
+        pool,
+        "b",
+        [
+            {"text": f"Alice drinks green tea every morning {SECRET}", "tags": ["t"]},
+            {"text": "Alice drinks green tea every morning", "tags": ["t"]},
+            {"text": "Alice drinks green tea every evening", "tags": ["t"]},
+        ],
+    )
+    llm = http_llm(fake.url)
+    embedder = HTTPEmbedder(base_url=fake.url, model="fake-embed", max_retries=0)
+    try:
+        lease = await queue.start_foreground(pool, "b", "test-worker", 30)
+        await run_operation(pool, lease, llm, Settings(), embedder=embedder)
+        await store.request_forget(pool, "b", [ids[0]])
+        end = await run_next(pool, llm, embedder=embedder)
+    finally:
+        await llm.aclose()
+        await embedder.aclose()
+    assert end.status == "completed", end.error
+    assert end.summary.perf.embedding_requests >= 1
+    rows = await pool.fetch(
+        "SELECT embedding IS NOT NULL AS has, embedding_version FROM observations"
+    )
+    assert [(r["has"], r["embedding_version"]) for r in rows] == [(True, 1)]
+    assert await tables_containing(pool, SECRET) == {}
+    await assert_consistent(pool)
