@@ -108,7 +108,7 @@ class Settings(BaseSettings):
         "with pending memories and no operation; 0 disables the sweeper.",
     )
     operation_slice_s: float = Field(
-        default=60.0,
+        default=10.0,
         ge=0,
         description="A running operation yields its worker slot at a wave boundary after this "
         "long when other operations wait; 0 never yields.",

@@ -68,11 +68,11 @@ def test_a_retry_budget_shorter_than_the_timeout_names_both_variables(
     assert "CONSOLIDATION_LLM_TIMEOUT_S (30)" in message and "\n" not in message
 
 
-def test_the_lifecycle_settings_default_to_a_minute_and_zero_turns_them_off(
+def test_the_lifecycle_settings_have_their_defaults_and_zero_turns_them_off(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     settings = load_settings()
-    assert settings.sweep_interval_s == 60 and settings.operation_slice_s == 60
+    assert settings.sweep_interval_s == 60 and settings.operation_slice_s == 10
     monkeypatch.setenv("CONSOLIDATION_SWEEP_INTERVAL_S", "0")
     monkeypatch.setenv("CONSOLIDATION_OPERATION_SLICE_S", "0")
     off = load_settings()
