@@ -117,7 +117,7 @@ class ForgetSummary(RunSummary):
 class _Source:
     """A remaining source of an observation being re-derived."""
 
-    fact: store.MemoryFact
+    fact: FactInput
     settled: bool = False  # answered (cited or not), or left out after unusable answers
 
 
@@ -230,7 +230,7 @@ class ForgetRun(OperationRun):
                     self.summary.memories_left_out += 1
                     self.log.warning(
                         "rederive_source_left_out",
-                        memory_id=str(step.members[0].fact.id),
+                        memory_id=str(step.members[0].fact.memory_id),
                         error=type(exc).__name__,
                     )
                     continue
@@ -251,10 +251,7 @@ class ForgetRun(OperationRun):
             self.lease.bank_id,
             scope,
             self.mission,
-            [
-                FactInput(s.fact.id, s.fact.text, s.fact.tags, s.fact.occurred_at)
-                for s in step.members
-            ],
+            [s.fact for s in step.members],
             [ObservationInput(d.id, d.text, len(d.memory_ids), now) for d in shown],
         )
         chat = pass_chat(request)

@@ -14,6 +14,7 @@ import asyncpg
 from consolidation import queue
 from consolidation.errors import LeaseLost, NotFound, ValidationError
 from consolidation.memories import NewMemory
+from consolidation.prompts import FactInput
 from consolidation.queue import Lease
 from consolidation.scopes import Scope, scope_from_db, scopes_from_db
 
@@ -431,25 +432,16 @@ async def affected_observations(
     ]
 
 
-@dataclass(frozen=True)
-class MemoryFact:
-    """A memory as a pass shows it to the model."""
-
-    id: uuid.UUID
-    text: str
-    tags: tuple[str, ...]
-    occurred_at: datetime | None
-
-
 async def memory_facts(
     conn: asyncpg.Connection | asyncpg.Pool, memory_ids: Sequence[uuid.UUID]
-) -> dict[uuid.UUID, MemoryFact]:
+) -> dict[uuid.UUID, FactInput]:
+    """Memories as a pass shows them to the model."""
     rows = await conn.fetch(
         "SELECT id, text, tags, occurred_at FROM memories WHERE id = ANY($1::uuid[])",
         list(memory_ids),
     )
     return {
-        r["id"]: MemoryFact(r["id"], r["text"], tuple(r["tags"]), r["occurred_at"]) for r in rows
+        r["id"]: FactInput(r["id"], r["text"], tuple(r["tags"]), r["occurred_at"]) for r in rows
     }
 
 
