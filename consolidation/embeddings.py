@@ -8,8 +8,9 @@ against OpenAI, vLLM, Ollama, Hugging Face TEI and llama.cpp's server: the reque
 
 Faults follow the LLM's rules (DESIGN §2): transport trouble (timeouts, 408/425/429/5xx,
 connection errors, an answer that is not an embeddings list) is retried with backoff honouring
-``Retry-After`` and then fails the *operation* (:class:`EmbeddingsRetriesExhausted`, a
-TransientLLMError); 401/403/404/405, a redirect, a request the server refuses even for a probe
+``Retry-After`` — within the LLM's retries and retry budget, over the same transport
+(:mod:`consolidation.http`) — and then fails the *operation* (:class:`EmbeddingsRetriesExhausted`,
+a TransientLLMError); 401/403/404/405, a redirect, a request the server refuses even for a probe
 text, or vectors of the wrong dimension fail it at once (:class:`EmbeddingsConfigError`, an
 LLMConfigError). Neither ever marks a memory failed. A text the server refuses on its own (too
 long for the model, most often) gets no vector, and recall simply ranks it by full text.
@@ -17,22 +18,17 @@ long for the model, most often) gets no vector, and recall simply ranks it by fu
 
 from __future__ import annotations
 
-import asyncio
-import time
-import urllib.parse
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, Protocol
 
-import aiohttp
 import asyncpg
 import orjson
 import structlog
 
-from consolidation import __version__, sql
+from consolidation import sql
 from consolidation.db import MIGRATION_LOCK_KEY
-from consolidation.errors import ConfigError, LLMConfigError, TransientLLMError
-from consolidation.llm import _excerpt, env_proxy, parse_retry_after, retry_delay
+from consolidation.errors import ConfigError, LLMConfigError
+from consolidation.http import Budget, Endpoint, Meters, RetriesExhausted, Retryable, excerpt
 from consolidation.metrics import EMBEDDING_INPUTS, EMBEDDING_LATENCY, EMBEDDING_REQUESTS
 from consolidation.settings import Settings
 
@@ -63,15 +59,8 @@ MAX_INPUTS_PER_REQUEST = 128
 # A text every embeddings server accepts: tells "this input is refused" from "every input is".
 PROBE_TEXT = "consolidation embeddings probe"
 
-_RETRYABLE_STATUSES = frozenset({408, 425, 429})
 _REFUSED_STATUSES = frozenset({400, 413, 422})
-_CONFIG_HINTS = {
-    401: "check CONSOLIDATION_EMBEDDINGS_API_KEY",
-    403: "check that CONSOLIDATION_EMBEDDINGS_API_KEY is allowed to use this model",
-    404: "check CONSOLIDATION_EMBEDDINGS_BASE_URL (usually ends in /v1) and "
-    "CONSOLIDATION_EMBEDDINGS_MODEL",
-    405: "check CONSOLIDATION_EMBEDDINGS_BASE_URL (usually ends in /v1)",
-}
+_METERS = Meters(EMBEDDING_REQUESTS, EMBEDDING_LATENCY)
 
 
 class EmbeddingsConfigError(LLMConfigError):
@@ -79,13 +68,10 @@ class EmbeddingsConfigError(LLMConfigError):
     fails at once with this message, which names the setting to fix."""
 
 
-class EmbeddingsRetriesExhausted(TransientLLMError):
-    """Transport trouble outlasted every retry; ``attempts`` HTTP requests were made. The
-    operation fails and is retried later; no memory is marked failed."""
-
-    def __init__(self, message: str, attempts: int) -> None:
-        super().__init__(message)
-        self.attempts = attempts
+class EmbeddingsRetriesExhausted(RetriesExhausted):
+    """Transport trouble outlasted every retry (``CONSOLIDATION_LLM_MAX_RETRIES`` or
+    ``CONSOLIDATION_LLM_RETRY_BUDGET_S``); ``attempts`` HTTP requests were made. The operation
+    fails and is retried later; no memory is marked failed."""
 
 
 class Embedder(Protocol):
@@ -108,28 +94,12 @@ class Embedder(Protocol):
         ...
 
 
-class _Retryable(Exception):
-    def __init__(self, reason: str, status: int | None = None, retry_after: float | None = None):
-        super().__init__(reason)
-        self.reason = reason
-        self.status = status
-        self.retry_after = retry_after
-
-
 class _Refused(Exception):
     """The server refused the request's input (400/413/422)."""
 
     def __init__(self, detail: str) -> None:
         super().__init__(detail)
         self.detail = detail
-
-
-@dataclass(frozen=True)
-class _Reply:
-    status: int
-    reason: str
-    headers: Mapping[str, str]
-    body: bytes
 
 
 class HTTPEmbedder:
@@ -151,42 +121,36 @@ class HTTPEmbedder:
         dimensions: int | None = None,
         timeout_s: float = 60.0,
         max_retries: int = 4,
+        retry_budget_s: float | None = None,
         max_concurrent: int = 16,
         backoff_base_s: float = 0.5,
         backoff_max_s: float = 30.0,
     ) -> None:
-        if max_concurrent < 1 or max_retries < 0 or timeout_s <= 0:
-            raise ValueError("need max_concurrent >= 1, max_retries >= 0 and timeout_s > 0")
         if dimensions is not None and not 1 <= dimensions <= MAX_DIMENSIONS:
             raise ValueError(f"dimensions must be between 1 and {MAX_DIMENSIONS}")
-        base = base_url.rstrip("/")
-        parts = urllib.parse.urlsplit(base)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise EmbeddingsConfigError(
-                f"embeddings base URL {base_url!r} is not an http(s) URL: set "
-                "CONSOLIDATION_EMBEDDINGS_BASE_URL to something like http://127.0.0.1:8000/v1"
-            )
-        self._url = f"{base}/embeddings"
-        self._proxy = env_proxy(self._url)
+        self._endpoint = Endpoint(
+            base_url=base_url,
+            path="embeddings",
+            label="embeddings",
+            setting="CONSOLIDATION_EMBEDDINGS",
+            model=model,
+            api_key=api_key,
+            timeout_s=timeout_s,
+            max_retries=max_retries,
+            retry_budget_s=retry_budget_s,
+            max_concurrent=max_concurrent,
+            backoff_base_s=backoff_base_s,
+            backoff_max_s=backoff_max_s,
+            config_error=EmbeddingsConfigError,
+            exhausted=EmbeddingsRetriesExhausted,
+            meters=_METERS,
+            retry_event="embeddings_retry",
+        )
+        self._url = self._endpoint.url
         self._model = model
         self._configured_dimensions = dimensions
         self._dimensions = dimensions
-        self._timeout_s = timeout_s
-        self._max_retries = max_retries
-        self._backoff_base_s = backoff_base_s
-        self._backoff_max_s = backoff_max_s
-        self._max_concurrent = max_concurrent
-        self._semaphore = asyncio.Semaphore(max_concurrent)
         self._probe_ok = False
-        self._headers = {
-            "accept": "application/json",
-            "content-type": "application/json",
-            "user-agent": f"consolidation/{__version__}",
-        }
-        if api_key:
-            self._headers["authorization"] = f"Bearer {api_key}"
-        self._session: aiohttp.ClientSession | None = None
-        self._closed = False
 
     @property
     def url(self) -> str:
@@ -202,22 +166,7 @@ class HTTPEmbedder:
 
     async def aclose(self) -> None:
         """Close the connection pool."""
-        self._closed = True
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
-
-    def _client(self) -> aiohttp.ClientSession:
-        if self._closed:
-            raise RuntimeError("HTTPEmbedder is closed")
-        if self._session is None:
-            # Not trust_env, as the LLM client: the proxy is resolved once (env_proxy).
-            self._session = aiohttp.ClientSession(
-                headers=self._headers,
-                timeout=aiohttp.ClientTimeout(total=self._timeout_s),
-                connector=aiohttp.TCPConnector(limit=self._max_concurrent),
-            )
-        return self._session
+        await self._endpoint.aclose()
 
     async def embed(self, texts: Sequence[str]) -> list[Vector | None]:
         """One vector per text (None for a text the server refused on its own), batched into
@@ -277,102 +226,26 @@ class HTTPEmbedder:
         )
 
     async def _request(self, texts: list[str]) -> list[Vector]:
-        """One logical request: retried on transport trouble, then EmbeddingsRetriesExhausted."""
+        """One logical request: retried on transport trouble within the retries and the retry
+        budget, then EmbeddingsRetriesExhausted."""
         body: dict[str, Any] = {"model": self._model, "input": texts}
         if self._configured_dimensions is not None:
             body["dimensions"] = self._configured_dimensions
         payload = orjson.dumps(body)
-        failures = 0
-        while True:
-            try:
-                vectors = await self._attempt(payload, len(texts))
-            except _Retryable as exc:
-                if failures >= self._max_retries:
-                    EMBEDDING_REQUESTS.labels(outcome="transient").inc()
-                    attempts = failures + 1
-                    raise EmbeddingsRetriesExhausted(
-                        f"embeddings endpoint POST {self._url} still failing after {attempts} "
-                        f"attempt(s) (last: {exc.reason}): the operation will be retried later; "
-                        "check that the embeddings server is up, or raise "
-                        "CONSOLIDATION_LLM_TIMEOUT_S / CONSOLIDATION_LLM_MAX_RETRIES",
-                        attempts=attempts,
-                    ) from None
-                EMBEDDING_REQUESTS.labels(outcome="retry").inc()
-                delay, _ = retry_delay(
-                    failures,
-                    exc.retry_after,
-                    base_s=self._backoff_base_s,
-                    max_s=self._backoff_max_s,
-                )
-                failures += 1
-                log.warning(
-                    "embeddings_retry",
-                    url=self._url,
-                    status=exc.status,
-                    reason=exc.reason,
-                    retry=failures,
-                    max_retries=self._max_retries,
-                    delay_s=round(delay, 3),
-                    retry_after_s=exc.retry_after,
-                )
-                await asyncio.sleep(delay)
-            except EmbeddingsConfigError:
-                EMBEDDING_REQUESTS.labels(outcome="config").inc()
-                raise
-            else:
-                EMBEDDING_REQUESTS.labels(outcome="ok").inc()
-                EMBEDDING_INPUTS.inc(len(texts))
-                return vectors
+        vectors = await self._endpoint.call(
+            lambda budget, _retries: self._attempt(payload, len(texts), budget)
+        )
+        EMBEDDING_INPUTS.inc(len(texts))
+        return vectors
 
-    async def _attempt(self, payload: bytes, count: int) -> list[Vector]:
-        async with self._semaphore:
-            started = time.perf_counter()
-            try:
-                async with self._client().post(
-                    self._url, data=payload, allow_redirects=False, proxy=self._proxy
-                ) as response:
-                    reply = _Reply(
-                        response.status,
-                        response.reason or "",
-                        response.headers,
-                        await response.read(),
-                    )
-            except TimeoutError as exc:
-                raise _Retryable(
-                    f"no answer within {self._timeout_s:g}s ({type(exc).__name__})"
-                ) from None
-            except aiohttp.ClientError as exc:
-                raise _Retryable(f"{type(exc).__name__}: {exc or 'connection failed'}") from None
-            finally:
-                EMBEDDING_LATENCY.observe(time.perf_counter() - started)
-        return self._interpret(reply, count)
-
-    def _interpret(self, reply: _Reply, count: int) -> list[Vector]:
-        status = reply.status
-        what = f"{status} {reply.reason}".strip()
-        text = reply.body.decode("utf-8", errors="replace")
-        if status in _RETRYABLE_STATUSES or status >= 500:
-            raise _Retryable(
-                f"HTTP {what}",
-                status=status,
-                retry_after=parse_retry_after(reply.headers.get("retry-after")),
-            )
-        if status in _CONFIG_HINTS:
-            raise EmbeddingsConfigError(
-                f"embeddings endpoint answered {what} for POST {self._url} (model "
-                f"{self._model!r}): {_CONFIG_HINTS[status]}"
-            )
-        if 300 <= status < 400:
-            raise EmbeddingsConfigError(
-                f"embeddings endpoint answered {what} for POST {self._url}, redirecting to "
-                f"{reply.headers.get('location')!r}: set CONSOLIDATION_EMBEDDINGS_BASE_URL to "
-                "the final URL"
-            )
-        if status in _REFUSED_STATUSES:
-            raise _Refused(f"HTTP {what}: {_excerpt(text)!r}")
-        if status >= 400 or status < 200:
-            raise _Retryable(f"HTTP {what}: {_excerpt(text)!r}", status=status)
-        return self._vectors(reply.body, text, count)
+    async def _attempt(self, payload: bytes, count: int, budget: Budget) -> list[Vector]:
+        reply = await self._endpoint.post(payload, budget)
+        self._endpoint.check(reply)
+        if reply.status in _REFUSED_STATUSES:
+            raise _Refused(f"HTTP {reply.what}: {excerpt(reply.text)!r}")
+        if reply.status >= 400 or reply.status < 200:
+            raise Retryable(f"HTTP {reply.what}: {excerpt(reply.text)!r}", status=reply.status)
+        return self._vectors(reply.body, reply.text, count)
 
     def _vectors(self, body: bytes, text: str, count: int) -> list[Vector]:
         try:
@@ -382,8 +255,8 @@ class HTTPEmbedder:
         items = data.get("data") if isinstance(data, dict) else None
         if not isinstance(items, list) or len(items) != count:
             # A gateway's error page or a half-written answer: the endpoint's fault, retried.
-            raise _Retryable(
-                f"answer is not an embeddings list of {count} item(s): {_excerpt(text)!r}"
+            raise Retryable(
+                f"answer is not an embeddings list of {count} item(s): {excerpt(text)!r}"
             )
         ordered: list[Vector | None] = [None] * count
         for position, item in enumerate(items):
@@ -395,9 +268,9 @@ class HTTPEmbedder:
                 or ordered[index] is not None
                 or vector is None
             ):
-                raise _Retryable(
+                raise Retryable(
                     f"answer item {position} is not {{index, embedding: [number…]}}: "
-                    f"{_excerpt(orjson.dumps(item).decode())!r}"
+                    f"{excerpt(orjson.dumps(item).decode())!r}"
                 )
             ordered[index] = vector.decode()
         vectors = [v for v in ordered if v is not None]
@@ -455,7 +328,8 @@ def vector_literal(vector: Sequence[float]) -> Vector:
 def build_embedder(settings: Settings) -> HTTPEmbedder | None:
     """The embeddings client when ``CONSOLIDATION_EMBEDDINGS_BASE_URL`` is set, else None.
 
-    Timeouts, retries, backoff and concurrency are the LLM's settings: one endpoint policy.
+    Timeouts, retries, the retry budget, backoff and concurrency are the LLM's settings: one
+    endpoint policy.
     """
     if settings.embeddings_base_url is None:
         return None
@@ -467,6 +341,7 @@ def build_embedder(settings: Settings) -> HTTPEmbedder | None:
         dimensions=settings.embeddings_dimensions,
         timeout_s=settings.llm_timeout_s,
         max_retries=settings.llm_max_retries,
+        retry_budget_s=settings.llm_retry_budget_s,
         max_concurrent=settings.llm_max_concurrent,
         backoff_base_s=settings.llm_backoff_base_s,
         backoff_max_s=settings.llm_backoff_max_s,

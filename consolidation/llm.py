@@ -9,24 +9,25 @@ Both raise only the typed errors of :mod:`consolidation.errors`.
 from __future__ import annotations
 
 import asyncio
-import email.utils
-import math
-import random
 import re
-import time
-import urllib.parse
-import urllib.request
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from typing import Any, Protocol
 
-import aiohttp
 import orjson
 import structlog
 
-from consolidation import __version__, offline, prompts
-from consolidation.errors import InvalidLLMOutput, LLMConfigError, TransientLLMError
+from consolidation import offline, prompts
+from consolidation.errors import InvalidLLMOutput, LLMConfigError
+from consolidation.http import (
+    Budget,
+    Endpoint,
+    Meters,
+    Reply,
+    Resend,
+    RetriesExhausted,
+    Retryable,
+    excerpt,
+)
 from consolidation.metrics import (
     LLM_IN_FLIGHT,
     LLM_LATENCY,
@@ -47,22 +48,13 @@ __all__ = [
 log = structlog.get_logger(__name__)
 
 RESPONSE_FORMAT_MODES = ("auto", "json_schema", "json_object")
-_RETRYABLE_STATUSES = frozenset({408, 425, 429})
-_CONFIG_HINTS = {
-    401: "check CONSOLIDATION_LLM_API_KEY",
-    403: "check that CONSOLIDATION_LLM_API_KEY is allowed to use this model",
-    404: "check CONSOLIDATION_LLM_BASE_URL (usually ends in /v1) and CONSOLIDATION_LLM_MODEL",
-    405: "check CONSOLIDATION_LLM_BASE_URL (usually ends in /v1)",
-}
 # How servers refuse a response_format: vLLM, Ollama and gateways with 400/422, llama-cpp-python
 # with a 500 carrying a pydantic literal_error; the body names the field.
 _REFUSAL_STATUSES = frozenset({400, 422, 500})
 _REFUSAL_MARKERS = ("response_format", "json_schema", "response format", "json schema")
 # A reasoning model's thoughts before the answer (Qwen3, DeepSeek-R1 and kin).
 _THINK_BLOCK = re.compile(r"\A\s*<think>.*?</think>\s*", re.DOTALL | re.IGNORECASE)
-# A server asking for a longer pause than the backoff cap is obeyed, but only this far.
-_RETRY_AFTER_CAP_FACTOR = 5.0
-_BODY_EXCERPT_CHARS = 300
+_METERS = Meters(LLM_REQUESTS, LLM_LATENCY, in_flight=LLM_IN_FLIGHT, retry_after=LLM_RETRY_AFTER)
 
 
 @dataclass(frozen=True)
@@ -90,127 +82,12 @@ class Consolidator(Protocol):
         ...
 
 
-class LLMRetriesExhausted(TransientLLMError):
+class LLMRetriesExhausted(RetriesExhausted):
     """Transport trouble outlasted every retry; ``attempts`` HTTP requests were made."""
 
-    def __init__(self, message: str, attempts: int) -> None:
-        super().__init__(message)
-        self.attempts = attempts
 
-
-class _Retryable(Exception):
-    """One attempt failed in a way a later attempt may not (timeout, 408/429/5xx, network)."""
-
-    def __init__(self, reason: str, status: int | None = None, retry_after: float | None = None):
-        super().__init__(reason)
-        self.reason = reason
-        self.status = status
-        self.retry_after = retry_after
-
-
-class _FormatRefused(Exception):
+class _FormatRefused(Resend):
     """The server refused the response_format form sent; resend with the next one."""
-
-
-class _Budget:
-    """The time one call may spend across its attempts and backoff, counted from its first
-    request (``CONSOLIDATION_LLM_RETRY_BUDGET_S``)."""
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-        self.started: float | None = None
-
-    def timeout(self, per_attempt: float) -> float:
-        """The timeout of the attempt starting now: ``per_attempt``, or what is left."""
-        now = time.monotonic()
-        if self.started is None:
-            self.started = now
-        return min(per_attempt, self.started + self.seconds - now)
-
-    def allows(self, delay: float, least: float) -> bool:
-        """Whether a retry after ``delay`` seconds would still have ``least`` seconds."""
-        if self.started is None:
-            return True
-        return time.monotonic() + delay + least <= self.started + self.seconds
-
-    def elapsed(self) -> float:
-        return 0.0 if self.started is None else time.monotonic() - self.started
-
-
-@dataclass(frozen=True)
-class _Reply:
-    """One HTTP response, read in full: what the interpretation needs, independent of the
-    client library."""
-
-    status: int
-    reason: str
-    headers: Mapping[str, str]
-    body: bytes
-
-    @property
-    def text(self) -> str:
-        return self.body.decode("utf-8", errors="replace")
-
-
-def parse_retry_after(value: str | None, now: datetime | None = None) -> float | None:
-    """Seconds to wait from a ``Retry-After`` header (delta-seconds or HTTP-date), or None when
-    absent or unreadable. Never negative."""
-    if value is None or not value.strip():
-        return None
-    text = value.strip()
-    try:
-        seconds = float(text)
-    except ValueError:
-        try:
-            when = email.utils.parsedate_to_datetime(text)
-        except (TypeError, ValueError):
-            return None
-        if when.tzinfo is None:
-            when = when.replace(tzinfo=UTC)
-        seconds = (when - (now or datetime.now(UTC))).total_seconds()
-    if not math.isfinite(seconds):
-        return None
-    return max(0.0, seconds)
-
-
-def retry_delay(
-    failures: int,
-    retry_after: float | None,
-    *,
-    base_s: float,
-    max_s: float,
-    uniform: Callable[[float, float], float] = random.uniform,
-) -> tuple[float, bool]:
-    """Delay before retry number ``failures + 1`` and whether Retry-After decided it.
-
-    Exponential backoff with full jitter (``uniform(0, min(max_s, base_s * 2**failures))``); a
-    Retry-After wins when longer, honoured up to ``5 * max_s``.
-    """
-    # The exponent is clamped so a huge retry count cannot overflow the float.
-    backoff = uniform(0.0, min(max_s, base_s * 2.0 ** min(failures, 60)))
-    if retry_after is None:
-        return backoff, False
-    asked = min(retry_after, _RETRY_AFTER_CAP_FACTOR * max_s)
-    if asked >= backoff:
-        return asked, True
-    return backoff, False
-
-
-def env_proxy(url: str) -> str | None:
-    """The proxy ``HTTP_PROXY`` / ``HTTPS_PROXY`` (either case) set for ``url``, unless
-    ``NO_PROXY`` exempts its host; None when there is none."""
-    parts = urllib.parse.urlsplit(url)
-    host = parts.hostname or ""
-    if host and urllib.request.proxy_bypass(host):
-        return None
-    return urllib.request.getproxies_environment().get(parts.scheme) or None
-
-
-def _excerpt(text: str) -> str:
-    text = " ".join(text.split())
-    if len(text) > _BODY_EXCERPT_CHARS:
-        return text[:_BODY_EXCERPT_CHARS] + "…"
-    return text
 
 
 def _token_count(value: object) -> int:
@@ -225,11 +102,8 @@ class HTTPConsolidator:
 
     Retries transport trouble with backoff within ``max_retries`` and ``retry_budget_s``, finds
     the ``response_format`` form the server accepts (``auto``), caps ``max_tokens`` and in-flight
-    requests.
-
-    The transport is aiohttp (keep-alive pool of ``max_concurrent`` connections, no redirects
-    followed, ``HTTP(S)_PROXY`` / ``NO_PROXY`` read once): a tenth of httpx's CPU per request
-    under concurrency (docs/benchmarks.md, "What the profiles led to").
+    requests. The transport is :class:`consolidation.http.Endpoint`, shared with the
+    embeddings client.
     """
 
     def __init__(
@@ -254,26 +128,28 @@ class HTTPConsolidator:
             )
         if system_role not in prompts.SYSTEM_ROLES:
             raise ValueError(f"system_role must be one of {prompts.SYSTEM_ROLES}")
-        budget = 2 * timeout_s if retry_budget_s is None else retry_budget_s
-        if max_concurrent < 1 or max_retries < 0 or timeout_s <= 0 or max_tokens < 1:
-            raise ValueError(
-                "need max_concurrent >= 1, max_retries >= 0, timeout_s > 0 and max_tokens >= 1"
-            )
-        if budget < timeout_s:
-            raise ValueError("retry_budget_s must be at least timeout_s")
-        base = base_url.rstrip("/")
-        parts = urllib.parse.urlsplit(base)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise LLMConfigError(
-                f"LLM base URL {base_url!r} is not an http(s) URL: set CONSOLIDATION_LLM_BASE_URL "
-                "to something like http://127.0.0.1:8000/v1"
-            )
-        self._url = f"{base}/chat/completions"
-        self._proxy = env_proxy(self._url)
+        if max_tokens < 1:
+            raise ValueError("need max_tokens >= 1")
+        self._endpoint = Endpoint(
+            base_url=base_url,
+            path="chat/completions",
+            label="LLM",
+            setting="CONSOLIDATION_LLM",
+            model=model,
+            api_key=api_key,
+            timeout_s=timeout_s,
+            max_retries=max_retries,
+            retry_budget_s=retry_budget_s,
+            max_concurrent=max_concurrent,
+            backoff_base_s=backoff_base_s,
+            backoff_max_s=backoff_max_s,
+            config_error=LLMConfigError,
+            exhausted=LLMRetriesExhausted,
+            meters=_METERS,
+            retry_event="llm_retry",
+        )
+        self._url = self._endpoint.url
         self._model = model
-        self._timeout_s = timeout_s
-        self._max_retries = max_retries
-        self._retry_budget_s = budget
         self._max_tokens = max_tokens
         self._system_role = system_role
         # auto starts at json_schema and walks down prompts.RESPONSE_FORMATS on refusals; the
@@ -283,20 +159,6 @@ class HTTPConsolidator:
         self._form_settled = not self._auto
         self._form_probe: asyncio.Future[bool] | None = None
         self._refusals: list[dict[str, Any]] = []
-        self._backoff_base_s = backoff_base_s
-        self._backoff_max_s = backoff_max_s
-        self._max_concurrent = max_concurrent
-        self._semaphore = asyncio.Semaphore(max_concurrent)
-        self._headers = {
-            "accept": "application/json",
-            "content-type": "application/json",
-            "user-agent": f"consolidation/{__version__}",
-        }
-        if api_key:
-            self._headers["authorization"] = f"Bearer {api_key}"
-        # Created on first use: an aiohttp session belongs to the event loop it is created on.
-        self._session: aiohttp.ClientSession | None = None
-        self._closed = False
 
     @property
     def response_format_mode(self) -> str:
@@ -306,22 +168,7 @@ class HTTPConsolidator:
 
     async def aclose(self) -> None:
         """Close the connection pool."""
-        self._closed = True
-        session, self._session = self._session, None
-        if session is not None:
-            await session.close()
-
-    def _client(self) -> aiohttp.ClientSession:
-        if self._closed:
-            raise RuntimeError("HTTPConsolidator is closed")
-        if self._session is None:
-            self._session = aiohttp.ClientSession(
-                headers=self._headers,
-                connector=aiohttp.TCPConnector(limit=self._max_concurrent),
-                # Not trust_env: it reads ~/.netrc in a thread on every request (half of the
-                # engine's CPU at a fast LLM); the proxy is resolved once instead.
-            )
-        return self._session
+        await self._endpoint.aclose()
 
     async def complete(self, chat: prompts.Chat) -> LLMAnswer:
         """One chat completion for ``chat``.
@@ -331,72 +178,14 @@ class HTTPConsolidator:
         400/422, LLMConfigError for 401/403/404 or a refused response_format. Cancelling the
         caller aborts the HTTP request.
         """
-        extra_requests = 0
-        failures = 0
-        budget = _Budget(self._retry_budget_s)
-        while True:
-            try:
-                answer = await self._attempt(chat, extra_requests, budget)
-            except _Retryable as exc:
-                delay, honoured = retry_delay(
-                    failures,
-                    exc.retry_after,
-                    base_s=self._backoff_base_s,
-                    max_s=self._backoff_max_s,
-                )
-                # A retry with less than a tenth of the timeout left is not worth sending.
-                least = self._timeout_s / 10
-                if failures >= self._max_retries or not budget.allows(delay, least):
-                    LLM_REQUESTS.labels(outcome="transient").inc()
-                    raise self._exhausted(exc, extra_requests + 1, failures, budget) from None
-                LLM_REQUESTS.labels(outcome="retry").inc()
-                if honoured:
-                    LLM_RETRY_AFTER.inc()
-                failures += 1
-                extra_requests += 1
-                log.warning(
-                    "llm_retry",
-                    url=self._url,
-                    status=exc.status,
-                    reason=exc.reason,
-                    retry=failures,
-                    max_retries=self._max_retries,
-                    delay_s=round(delay, 3),
-                    retry_after_s=exc.retry_after,
-                )
-                await asyncio.sleep(delay)
-            except _FormatRefused:
-                LLM_REQUESTS.labels(outcome="retry").inc()
-                extra_requests += 1
-            except InvalidLLMOutput:
-                LLM_REQUESTS.labels(outcome="invalid").inc()
-                raise
-            except LLMConfigError:
-                LLM_REQUESTS.labels(outcome="config").inc()
-                raise
-            else:
-                LLM_REQUESTS.labels(outcome="ok").inc()
-                LLM_TOKENS.labels(kind="prompt").inc(answer.prompt_tokens)
-                LLM_TOKENS.labels(kind="completion").inc(answer.completion_tokens)
-                return answer
-
-    def _exhausted(
-        self, exc: _Retryable, attempts: int, failures: int, budget: _Budget
-    ) -> LLMRetriesExhausted:
-        if failures >= self._max_retries:
-            spent = f"{self._max_retries} retries spent"
-        else:
-            spent = f"retry budget of {budget.seconds:g}s spent"
-        return LLMRetriesExhausted(
-            f"LLM endpoint POST {self._url} still failing after {attempts} attempt(s) in "
-            f"{budget.elapsed():.1f}s, {spent} (last: {exc.reason}): the operation will be "
-            "retried later; check that the LLM server is up and not overloaded, or raise "
-            "CONSOLIDATION_LLM_TIMEOUT_S / CONSOLIDATION_LLM_MAX_RETRIES / "
-            "CONSOLIDATION_LLM_RETRY_BUDGET_S",
-            attempts=attempts,
+        answer = await self._endpoint.call(
+            lambda budget, retries: self._attempt(chat, retries, budget)
         )
+        LLM_TOKENS.labels(kind="prompt").inc(answer.prompt_tokens)
+        LLM_TOKENS.labels(kind="completion").inc(answer.completion_tokens)
+        return answer
 
-    async def _attempt(self, chat: prompts.Chat, retries: int, budget: _Budget) -> LLMAnswer:
+    async def _attempt(self, chat: prompts.Chat, retries: int, budget: Budget) -> LLMAnswer:
         # Until the endpoint has accepted a form, one request at a time probes it; the others
         # wait for its verdict rather than all collect the same refusal. A probe that ends
         # without one (a timeout, a 503) lets them all go: a slow endpoint must not make the
@@ -409,7 +198,7 @@ class HTTPConsolidator:
                 break
         return await self._send(chat, self._form, retries, budget)
 
-    async def _probe(self, chat: prompts.Chat, retries: int, budget: _Budget) -> LLMAnswer:
+    async def _probe(self, chat: prompts.Chat, retries: int, budget: Budget) -> LLMAnswer:
         form = self._form
         probe = self._form_probe = asyncio.get_running_loop().create_future()
         try:
@@ -419,9 +208,7 @@ class HTTPConsolidator:
             # A verdict: the form was accepted, or refused and the next one is current.
             probe.set_result(self._form_settled or self._form != form)
 
-    async def _send(
-        self, chat: prompts.Chat, form: str, retries: int, budget: _Budget
-    ) -> LLMAnswer:
+    async def _send(self, chat: prompts.Chat, form: str, retries: int, budget: Budget) -> LLMAnswer:
         max_tokens = min(chat.max_tokens, self._max_tokens)
         body = orjson.dumps(
             {
@@ -432,67 +219,20 @@ class HTTPConsolidator:
                 "response_format": prompts.response_format(form, chat.schema),
             }
         )
-        async with self._semaphore:
-            timeout_s = budget.timeout(self._timeout_s)
-            if timeout_s <= 0:
-                raise _Retryable("the retry budget ran out while waiting for a free request slot")
-            LLM_IN_FLIGHT.inc()
-            started = time.perf_counter()
-            try:
-                async with self._client().post(
-                    self._url,
-                    data=body,
-                    allow_redirects=False,
-                    proxy=self._proxy,
-                    timeout=aiohttp.ClientTimeout(total=timeout_s),
-                ) as response:
-                    reply = _Reply(
-                        response.status,
-                        response.reason or "",
-                        response.headers,
-                        await response.read(),
-                    )
-            except TimeoutError as exc:
-                rest = " (the rest of the retry budget)" if timeout_s < self._timeout_s else ""
-                raise _Retryable(
-                    f"no answer within {timeout_s:.3g}s{rest} ({type(exc).__name__})"
-                ) from None
-            except aiohttp.ClientError as exc:
-                detail = str(exc) or "connection failed"
-                raise _Retryable(f"{type(exc).__name__}: {detail}") from None
-            finally:
-                LLM_IN_FLIGHT.dec()
-                LLM_LATENCY.observe(time.perf_counter() - started)
+        reply = await self._endpoint.post(body, budget)
         return self._interpret(reply, form, retries, max_tokens, chat.max_tokens)
 
     def _interpret(
-        self, response: _Reply, form: str, retries: int, max_tokens: int, wanted_tokens: int
+        self, response: Reply, form: str, retries: int, max_tokens: int, wanted_tokens: int
     ) -> LLMAnswer:
         status = response.status
-        what = f"{status} {response.reason}".strip()
         if status in _REFUSAL_STATUSES and self._names_response_format(response.text):
             self._refused(form, status, response.text)
-        if status in _RETRYABLE_STATUSES or status >= 500:
-            raise _Retryable(
-                f"HTTP {what}",
-                status=status,
-                retry_after=parse_retry_after(response.headers.get("retry-after")),
-            )
-        if status in _CONFIG_HINTS:
-            raise LLMConfigError(
-                f"LLM endpoint answered {what} for POST {self._url} (model {self._model!r}): "
-                f"{_CONFIG_HINTS[status]}"
-            )
-        if 300 <= status < 400:
-            raise LLMConfigError(
-                f"LLM endpoint answered {what} for POST {self._url}, redirecting to "
-                f"{response.headers.get('location')!r}: set CONSOLIDATION_LLM_BASE_URL to the "
-                "final URL"
-            )
+        self._endpoint.check(response)
         if status >= 400:
             raise InvalidLLMOutput(
-                f"LLM endpoint rejected the request with {what}: {_excerpt(response.text)!r}; "
-                "the batch will be retried and split"
+                f"LLM endpoint rejected the request with {response.what}: "
+                f"{excerpt(response.text)!r}; the batch will be retried and split"
             )
         return self._parse_completion(response, form, retries, max_tokens, wanted_tokens)
 
@@ -503,7 +243,7 @@ class HTTPConsolidator:
 
     def _refused(self, form: str, status: int, text: str) -> None:
         """Handle a refusal of ``form``: the next form under ``auto``, else a config error."""
-        detail = _excerpt(text)
+        detail = excerpt(text)
         if not self._auto:
             raise LLMConfigError(
                 f"LLM endpoint POST {self._url} refused response_format {form} with HTTP "
@@ -540,7 +280,7 @@ class HTTPConsolidator:
         )
 
     def _parse_completion(
-        self, response: _Reply, form: str, retries: int, max_tokens: int, wanted_tokens: int
+        self, response: Reply, form: str, retries: int, max_tokens: int, wanted_tokens: int
     ) -> LLMAnswer:
         # A body that is not a chat completion (a gateway's HTML page, an error object sent
         # with 200) is the endpoint's fault, never the memories': retried like a 503.
@@ -552,9 +292,9 @@ class HTTPConsolidator:
         choice = choices[0] if isinstance(choices, list) and choices else None
         message = choice.get("message") if isinstance(choice, dict) else None
         if not isinstance(choice, dict) or not isinstance(message, dict):
-            raise _Retryable(
+            raise Retryable(
                 f"HTTP {response.status} with a body that is not a chat completion (no "
-                f"choices[0].message): {_excerpt(response.text)!r}",
+                f"choices[0].message): {excerpt(response.text)!r}",
                 status=response.status,
             )
         assert isinstance(data, dict)
@@ -583,7 +323,7 @@ class HTTPConsolidator:
             )
         if not content.strip():
             refusal = message.get("refusal")
-            said = f", refusal {_excerpt(refusal)!r}" if isinstance(refusal, str) else ""
+            said = f", refusal {excerpt(refusal)!r}" if isinstance(refusal, str) else ""
             raise InvalidLLMOutput(
                 f"LLM answer has empty content (finish_reason {finish_reason!r}{said})"
             )

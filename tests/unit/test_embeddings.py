@@ -258,6 +258,34 @@ async def test_timeout_is_transient_and_aborts_the_request(
     await wait_for(lambda: fake.stats()["embeddings"]["aborted"] == 1, what="abort seen")
 
 
+async def test_a_hanging_endpoint_is_given_up_on_when_the_llm_retry_budget_is_spent(
+    fake: FakeLLMServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The embeddings client shares the LLM's timeout, retries and retry budget (README).
+    monkeypatch.setenv("CONSOLIDATION_EMBEDDINGS_BASE_URL", fake.url)
+    monkeypatch.setenv("CONSOLIDATION_LLM_TIMEOUT_S", "0.2")
+    monkeypatch.setenv("CONSOLIDATION_LLM_RETRY_BUDGET_S", "0.5")
+    monkeypatch.setenv("CONSOLIDATION_LLM_MAX_RETRIES", "20")
+    monkeypatch.setenv("CONSOLIDATION_LLM_BACKOFF_MAX_S", "0.01")
+    fake.control(embeddings={"script": [{"hang": True}] * 100})
+    embedder = build_embedder(load_settings())
+    assert embedder is not None
+    try:
+        with pytest.raises(EmbeddingsRetriesExhausted) as caught:
+            await embedder.embed(["a"])
+    finally:
+        await embedder.aclose()
+    message = str(caught.value)
+    assert "retry budget of 0.5s spent" in message
+    assert "CONSOLIDATION_LLM_RETRY_BUDGET_S" in message
+    # The budget, not the 20 retries, ended it; every abandoned request was aborted.
+    assert caught.value.attempts < 10
+    await wait_for(
+        lambda: fake.stats()["embeddings"]["aborted"] == caught.value.attempts,
+        what="every attempt aborted",
+    )
+
+
 async def test_connection_refused_is_transient(make_embedder: Any) -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

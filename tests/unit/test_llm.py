@@ -20,13 +20,8 @@ from structlog.testing import capture_logs
 from consolidation import prompts
 from consolidation.errors import InvalidLLMOutput, LLMConfigError, TransientLLMError
 from consolidation.fake_llm import FakeLLMConfig, FakeLLMServer
-from consolidation.llm import (
-    HTTPConsolidator,
-    LLMRetriesExhausted,
-    OfflineConsolidator,
-    parse_retry_after,
-    retry_delay,
-)
+from consolidation.http import parse_retry_after, retry_delay
+from consolidation.llm import HTTPConsolidator, LLMRetriesExhausted, OfflineConsolidator
 from consolidation.metrics import EventLoopLagMonitor
 from tests.integration.engine_helpers import wait_for
 
