@@ -19,7 +19,7 @@ long for the model, most often) gets no vector, and recall simply ranks it by fu
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, Unpack
 
 import asyncpg
 import orjson
@@ -28,7 +28,17 @@ import structlog
 from consolidation import sql
 from consolidation.db import MIGRATION_LOCK_KEY
 from consolidation.errors import ConfigError, LLMConfigError
-from consolidation.http import Budget, Endpoint, Meters, RetriesExhausted, Retryable, excerpt
+from consolidation.http import (
+    Budget,
+    Endpoint,
+    Meters,
+    Options,
+    RetriesExhausted,
+    Retryable,
+    Route,
+    excerpt,
+    options_from,
+)
 from consolidation.metrics import EMBEDDING_INPUTS, EMBEDDING_LATENCY, EMBEDDING_REQUESTS
 from consolidation.settings import Settings
 
@@ -60,7 +70,6 @@ MAX_INPUTS_PER_REQUEST = 128
 PROBE_TEXT = "consolidation embeddings probe"
 
 _REFUSED_STATUSES = frozenset({400, 413, 422})
-_METERS = Meters(EMBEDDING_REQUESTS, EMBEDDING_LATENCY)
 
 
 class EmbeddingsConfigError(LLMConfigError):
@@ -72,6 +81,17 @@ class EmbeddingsRetriesExhausted(RetriesExhausted):
     """Transport trouble outlasted every retry (``CONSOLIDATION_LLM_MAX_RETRIES`` or
     ``CONSOLIDATION_LLM_RETRY_BUDGET_S``); ``attempts`` HTTP requests were made. The operation
     fails and is retried later; no memory is marked failed."""
+
+
+_ROUTE = Route(
+    path="embeddings",
+    label="embeddings",
+    setting="CONSOLIDATION_EMBEDDINGS",
+    config_error=EmbeddingsConfigError,
+    exhausted=EmbeddingsRetriesExhausted,
+    meters=Meters(EMBEDDING_REQUESTS, EMBEDDING_LATENCY),
+    retry_event="embeddings_retry",
+)
 
 
 class Embedder(Protocol):
@@ -119,32 +139,12 @@ class HTTPEmbedder:
         model: str,
         api_key: str | None = None,
         dimensions: int | None = None,
-        timeout_s: float = 60.0,
-        max_retries: int = 4,
-        retry_budget_s: float | None = None,
-        max_concurrent: int = 16,
-        backoff_base_s: float = 0.5,
-        backoff_max_s: float = 30.0,
+        **options: Unpack[Options],
     ) -> None:
         if dimensions is not None and not 1 <= dimensions <= MAX_DIMENSIONS:
             raise ValueError(f"dimensions must be between 1 and {MAX_DIMENSIONS}")
         self._endpoint = Endpoint(
-            base_url=base_url,
-            path="embeddings",
-            label="embeddings",
-            setting="CONSOLIDATION_EMBEDDINGS",
-            model=model,
-            api_key=api_key,
-            timeout_s=timeout_s,
-            max_retries=max_retries,
-            retry_budget_s=retry_budget_s,
-            max_concurrent=max_concurrent,
-            backoff_base_s=backoff_base_s,
-            backoff_max_s=backoff_max_s,
-            config_error=EmbeddingsConfigError,
-            exhausted=EmbeddingsRetriesExhausted,
-            meters=_METERS,
-            retry_event="embeddings_retry",
+            _ROUTE, base_url=base_url, model=model, api_key=api_key, **options
         )
         self._url = self._endpoint.url
         self._model = model
@@ -339,12 +339,7 @@ def build_embedder(settings: Settings) -> HTTPEmbedder | None:
         model=settings.embeddings_model,
         api_key=key.get_secret_value() if key else None,
         dimensions=settings.embeddings_dimensions,
-        timeout_s=settings.llm_timeout_s,
-        max_retries=settings.llm_max_retries,
-        retry_budget_s=settings.llm_retry_budget_s,
-        max_concurrent=settings.llm_max_concurrent,
-        backoff_base_s=settings.llm_backoff_base_s,
-        backoff_max_s=settings.llm_backoff_max_s,
+        **options_from(settings),
     )
 
 

@@ -19,7 +19,7 @@ import urllib.request
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TypeVar
+from typing import TypedDict, TypeVar
 
 import aiohttp
 import structlog
@@ -27,17 +27,21 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from consolidation import __version__
 from consolidation.errors import InvalidLLMOutput, LLMConfigError, TransientLLMError
+from consolidation.settings import Settings
 
 __all__ = [
     "Budget",
     "Endpoint",
     "Meters",
+    "Options",
     "Reply",
     "Resend",
     "RetriesExhausted",
     "Retryable",
+    "Route",
     "env_proxy",
     "excerpt",
+    "options_from",
     "parse_retry_after",
     "retry_delay",
 ]
@@ -123,6 +127,48 @@ class Budget:
 
 
 @dataclass(frozen=True)
+class Route:
+    """What tells one client's endpoint from another's: its path under the base URL, how
+    messages name it (``label``, ``LLM``) and its settings (``setting``, the prefix
+    ``CONSOLIDATION_LLM``), the errors it raises, the metrics it reports to and the event it
+    logs a retry with."""
+
+    path: str
+    label: str
+    setting: str
+    config_error: type[LLMConfigError]
+    exhausted: type[RetriesExhausted]
+    meters: Meters
+    retry_event: str
+
+
+class Options(TypedDict, total=False):
+    """How an endpoint is called (the defaults are :class:`Endpoint`'s): the timeout of one
+    request, how many retries and how long in all (``retry_budget_s``, unset: 2 × ``timeout_s``)
+    one call may take, requests in flight, backoff."""
+
+    timeout_s: float
+    max_retries: int
+    retry_budget_s: float | None
+    max_concurrent: int
+    backoff_base_s: float
+    backoff_max_s: float
+
+
+def options_from(settings: Settings) -> Options:
+    """The ``CONSOLIDATION_LLM_*`` settings every endpoint shares (the LLM's and the embeddings
+    one): timeout, retries, retry budget, concurrency, backoff."""
+    return Options(
+        timeout_s=settings.llm_timeout_s,
+        max_retries=settings.llm_max_retries,
+        retry_budget_s=settings.llm_retry_budget_s,
+        max_concurrent=settings.llm_max_concurrent,
+        backoff_base_s=settings.llm_backoff_base_s,
+        backoff_max_s=settings.llm_backoff_max_s,
+    )
+
+
+@dataclass(frozen=True)
 class Meters:
     """The Prometheus objects one endpoint reports to: requests by outcome (``ok``, ``retry``,
     ``transient``, ``invalid``, ``config``), the latency of each request and, optionally, the
@@ -197,12 +243,10 @@ def excerpt(text: str) -> str:
 
 
 class Endpoint:
-    """``POST {base_url}/{path}`` of an OpenAI-compatible server, with retries.
+    """``POST {base_url}/{route.path}`` of an OpenAI-compatible server, with retries.
 
-    ``label`` names the endpoint in messages (``LLM``, ``embeddings``) and ``setting`` is the
-    prefix of its settings (``CONSOLIDATION_LLM``): errors name the variable to fix. A 401, 403,
-    404, 405 or a redirect raises ``config_error``; transport trouble that outlasts the retries
-    raises ``exhausted``.
+    A 401, 403, 404, 405 or a redirect raises ``route.config_error`` with a message naming the
+    setting to fix; transport trouble that outlasts the retries raises ``route.exhausted``.
 
     The transport is aiohttp (keep-alive pool of ``max_concurrent`` connections, no redirects
     followed, ``HTTP(S)_PROXY`` / ``NO_PROXY`` read once): a tenth of httpx's CPU per request
@@ -211,39 +255,33 @@ class Endpoint:
 
     def __init__(
         self,
+        route: Route,
         *,
         base_url: str,
-        path: str,
-        label: str,
-        setting: str,
         model: str,
-        api_key: str | None,
-        timeout_s: float,
-        max_retries: int,
-        retry_budget_s: float | None,
-        max_concurrent: int,
-        backoff_base_s: float,
-        backoff_max_s: float,
-        config_error: type[LLMConfigError],
-        exhausted: type[RetriesExhausted],
-        meters: Meters,
-        retry_event: str,
+        api_key: str | None = None,
+        timeout_s: float = 60.0,
+        max_retries: int = 4,
+        retry_budget_s: float | None = None,
+        max_concurrent: int = 16,
+        backoff_base_s: float = 0.5,
+        backoff_max_s: float = 30.0,
     ) -> None:
         budget = 2 * timeout_s if retry_budget_s is None else retry_budget_s
         if max_concurrent < 1 or max_retries < 0 or timeout_s <= 0:
             raise ValueError("need max_concurrent >= 1, max_retries >= 0 and timeout_s > 0")
         if budget < timeout_s:
             raise ValueError("retry_budget_s must be at least timeout_s")
+        label, setting = route.label, route.setting
         base = base_url.rstrip("/")
         parts = urllib.parse.urlsplit(base)
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise config_error(
+            raise route.config_error(
                 f"{label} base URL {base_url!r} is not an http(s) URL: set {setting}_BASE_URL "
                 "to something like http://127.0.0.1:8000/v1"
             )
-        self.url = f"{base}/{path}"
-        self.label = label
-        self.setting = setting
+        self.url = f"{base}/{route.path}"
+        self.route = route
         self.model = model
         self.timeout_s = timeout_s
         self.max_retries = max_retries
@@ -251,7 +289,6 @@ class Endpoint:
         self._proxy = env_proxy(self.url)
         self._backoff_base_s = backoff_base_s
         self._backoff_max_s = backoff_max_s
-        self._config_error = config_error
         key, url = f"{setting}_API_KEY", f"{setting}_BASE_URL"
         self._config_hints = {
             401: f"check {key}",
@@ -259,9 +296,6 @@ class Endpoint:
             404: f"check {url} (usually ends in /v1) and {setting}_MODEL",
             405: f"check {url} (usually ends in /v1)",
         }
-        self._exhausted_error = exhausted
-        self._meters = meters
-        self._retry_event = retry_event
         self._max_concurrent = max_concurrent
         self._semaphore = asyncio.Semaphore(max_concurrent)
         self._headers = {
@@ -284,7 +318,7 @@ class Endpoint:
 
     def _client(self) -> aiohttp.ClientSession:
         if self._closed:
-            raise RuntimeError(f"the {self.label} client is closed")
+            raise RuntimeError(f"the {self.route.label} client is closed")
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 headers=self._headers,
@@ -304,7 +338,8 @@ class Endpoint:
         retries = 0
         failures = 0
         budget = Budget(self.retry_budget_s)
-        requests = self._meters.requests
+        meters = self.route.meters
+        requests = meters.requests
         while True:
             try:
                 result = await attempt(budget, retries)
@@ -321,12 +356,12 @@ class Endpoint:
                     requests.labels(outcome="transient").inc()
                     raise self._exhausted(exc, retries + 1, failures, budget) from None
                 requests.labels(outcome="retry").inc()
-                if honoured and self._meters.retry_after is not None:
-                    self._meters.retry_after.inc()
+                if honoured and meters.retry_after is not None:
+                    meters.retry_after.inc()
                 failures += 1
                 retries += 1
                 log.warning(
-                    self._retry_event,
+                    self.route.retry_event,
                     url=self.url,
                     status=exc.status,
                     reason=exc.reason,
@@ -357,10 +392,11 @@ class Endpoint:
         else:
             spent = f"retry budget of {budget.seconds:g}s spent"
         # The timeout, retries and budget are the LLM's settings whichever endpoint this is.
-        return self._exhausted_error(
-            f"{self.label} endpoint POST {self.url} still failing after {attempts} attempt(s) in "
+        label = self.route.label
+        return self.route.exhausted(
+            f"{label} endpoint POST {self.url} still failing after {attempts} attempt(s) in "
             f"{budget.elapsed():.1f}s, {spent} (last: {exc.reason}): the operation will be "
-            f"retried later; check that the {self.label} server is up and not overloaded, or "
+            f"retried later; check that the {label} server is up and not overloaded, or "
             "raise CONSOLIDATION_LLM_TIMEOUT_S / CONSOLIDATION_LLM_MAX_RETRIES / "
             "CONSOLIDATION_LLM_RETRY_BUDGET_S",
             attempts=attempts,
@@ -376,7 +412,8 @@ class Endpoint:
             timeout_s = budget.timeout(self.timeout_s)
             if timeout_s <= 0:
                 raise Retryable("the retry budget ran out while waiting for a free request slot")
-            in_flight = self._meters.in_flight
+            meters = self.route.meters
+            in_flight = meters.in_flight
             if in_flight is not None:
                 in_flight.inc()
             started = time.perf_counter()
@@ -405,7 +442,7 @@ class Endpoint:
             finally:
                 if in_flight is not None:
                     in_flight.dec()
-                self._meters.latency.observe(time.perf_counter() - started)
+                meters.latency.observe(time.perf_counter() - started)
 
     def check(self, reply: Reply) -> None:
         """Raise for what every OpenAI-compatible route means alike: :class:`Retryable` for
@@ -420,12 +457,13 @@ class Endpoint:
             )
         hint = self._config_hints.get(status)
         if hint is not None:
-            raise self._config_error(
-                f"{self.label} endpoint answered {reply.what} for POST {self.url} (model "
+            raise self.route.config_error(
+                f"{self.route.label} endpoint answered {reply.what} for POST {self.url} (model "
                 f"{self.model!r}): {hint}"
             )
         if 300 <= status < 400:
-            raise self._config_error(
-                f"{self.label} endpoint answered {reply.what} for POST {self.url}, redirecting to "
-                f"{reply.headers.get('location')!r}: set {self.setting}_BASE_URL to the final URL"
+            raise self.route.config_error(
+                f"{self.route.label} endpoint answered {reply.what} for POST {self.url}, "
+                f"redirecting to {reply.headers.get('location')!r}: set "
+                f"{self.route.setting}_BASE_URL to the final URL"
             )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import re
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, Unpack
 
 import orjson
 import structlog
@@ -22,10 +22,12 @@ from consolidation.http import (
     Budget,
     Endpoint,
     Meters,
+    Options,
     Reply,
     Resend,
     RetriesExhausted,
     Retryable,
+    Route,
     excerpt,
 )
 from consolidation.metrics import (
@@ -54,7 +56,6 @@ _REFUSAL_STATUSES = frozenset({400, 422, 500})
 _REFUSAL_MARKERS = ("response_format", "json_schema", "response format", "json schema")
 # A reasoning model's thoughts before the answer (Qwen3, DeepSeek-R1 and kin).
 _THINK_BLOCK = re.compile(r"\A\s*<think>.*?</think>\s*", re.DOTALL | re.IGNORECASE)
-_METERS = Meters(LLM_REQUESTS, LLM_LATENCY, in_flight=LLM_IN_FLIGHT, retry_after=LLM_RETRY_AFTER)
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,17 @@ class _FormatRefused(Resend):
     """The server refused the response_format form sent; resend with the next one."""
 
 
+_ROUTE = Route(
+    path="chat/completions",
+    label="LLM",
+    setting="CONSOLIDATION_LLM",
+    config_error=LLMConfigError,
+    exhausted=LLMRetriesExhausted,
+    meters=Meters(LLM_REQUESTS, LLM_LATENCY, in_flight=LLM_IN_FLIGHT, retry_after=LLM_RETRY_AFTER),
+    retry_event="llm_retry",
+)
+
+
 def _token_count(value: object) -> int:
     # Some gateways send floats or nulls; anything unusable counts as 0 rather than failing.
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -100,10 +112,9 @@ def _token_count(value: object) -> int:
 class HTTPConsolidator:
     """Client for ``POST {base_url}/chat/completions`` of an OpenAI-compatible server.
 
-    Retries transport trouble with backoff within ``max_retries`` and ``retry_budget_s``, finds
-    the ``response_format`` form the server accepts (``auto``), caps ``max_tokens`` and in-flight
-    requests. The transport is :class:`consolidation.http.Endpoint`, shared with the
-    embeddings client.
+    Finds the ``response_format`` form the server accepts (``auto``) and caps ``max_tokens``;
+    ``options`` (timeout, retries, retry budget, requests in flight, backoff) are the
+    transport's, :class:`consolidation.http.Endpoint`, shared with the embeddings client.
     """
 
     def __init__(
@@ -112,15 +123,10 @@ class HTTPConsolidator:
         base_url: str,
         model: str,
         api_key: str | None = None,
-        timeout_s: float = 60.0,
-        max_retries: int = 4,
-        retry_budget_s: float | None = None,
-        max_concurrent: int = 16,
         response_format: str = "auto",
         max_tokens: int = 4096,
         system_role: str = "system",
-        backoff_base_s: float = 0.5,
-        backoff_max_s: float = 30.0,
+        **options: Unpack[Options],
     ) -> None:
         if response_format not in RESPONSE_FORMAT_MODES:
             raise ValueError(
@@ -131,22 +137,7 @@ class HTTPConsolidator:
         if max_tokens < 1:
             raise ValueError("need max_tokens >= 1")
         self._endpoint = Endpoint(
-            base_url=base_url,
-            path="chat/completions",
-            label="LLM",
-            setting="CONSOLIDATION_LLM",
-            model=model,
-            api_key=api_key,
-            timeout_s=timeout_s,
-            max_retries=max_retries,
-            retry_budget_s=retry_budget_s,
-            max_concurrent=max_concurrent,
-            backoff_base_s=backoff_base_s,
-            backoff_max_s=backoff_max_s,
-            config_error=LLMConfigError,
-            exhausted=LLMRetriesExhausted,
-            meters=_METERS,
-            retry_event="llm_retry",
+            _ROUTE, base_url=base_url, model=model, api_key=api_key, **options
         )
         self._url = self._endpoint.url
         self._model = model

@@ -19,6 +19,7 @@ import structlog
 from consolidation import db
 from consolidation.embeddings import Embedder, build_embedder, require_vector_storage
 from consolidation.errors import ConfigError
+from consolidation.http import options_from
 from consolidation.llm import Consolidator, HTTPConsolidator, OfflineConsolidator
 from consolidation.settings import Settings
 
@@ -70,15 +71,10 @@ def build_consolidator(settings: Settings) -> Consolidator:
         base_url=settings.llm_base_url,
         model=settings.llm_model,
         api_key=settings.llm_api_key.get_secret_value() if settings.llm_api_key else None,
-        timeout_s=settings.llm_timeout_s,
-        max_retries=settings.llm_max_retries,
-        retry_budget_s=settings.llm_retry_budget_s,
-        max_concurrent=settings.llm_max_concurrent,
         response_format=settings.llm_response_format,
         max_tokens=settings.llm_max_tokens,
         system_role=settings.llm_system_role,
-        backoff_base_s=settings.llm_backoff_base_s,
-        backoff_max_s=settings.llm_backoff_max_s,
+        **options_from(settings),
     )
 
 
