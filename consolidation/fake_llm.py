@@ -51,6 +51,7 @@ import socket
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -398,6 +399,136 @@ async def _wait(receive: Receive, delay_s: float | None, closing: asyncio.Event)
     return "closing" if stopping in done else "elapsed"
 
 
+async def _serve(
+    receive: Receive,
+    closing: asyncio.Event,
+    plan: _Plan,
+    respond: Callable[[], Response],
+    finish: Callable[[int | None], None],
+) -> Response:
+    """Wait as ``plan`` says, then ``respond()``: a 503 instead if the server is stopping first,
+    nothing if the client leaves first. ``finish`` records the status (None: the client left),
+    before the response is sent, so "ended" never postdates what the client saw."""
+    status: int | None = None
+    try:
+        waited = "elapsed"
+        if plan.hang or plan.delay_s > 0:
+            waited = await _wait(receive, None if plan.hang else plan.delay_s, closing)
+        if waited == "disconnect":
+            # Nobody is listening any more; this response is never delivered.
+            return Response(status_code=499)
+        if waited == "closing":
+            response = _status_response(
+                _Plan(status=503, body="the fake LLM server is shutting down")
+            )
+        else:
+            response = respond()
+        status = response.status_code
+        return response
+    finally:
+        finish(status)
+
+
+def _status_response(plan: _Plan) -> Response:
+    headers = {}
+    if plan.retry_after is not None:
+        headers["retry-after"] = f"{plan.retry_after:g}"
+    body = plan.body
+    if body is None:
+        content = _error_body(f"fake LLM failure {plan.status}", plan.status)
+    else:
+        # A plain message becomes an OpenAI-style error object; a JSON body is sent as is.
+        try:
+            orjson.loads(body)
+        except orjson.JSONDecodeError:
+            content = _error_body(body, plan.status)
+        else:
+            content = body.encode()
+    return Response(
+        content, status_code=plan.status, headers=headers, media_type="application/json"
+    )
+
+
+def _rejection(api_key: str | None, authorization: str | None, problem: str | None) -> _Plan | None:
+    """The 401 or 400 a request gets for a wrong bearer token or a body it cannot answer."""
+    if api_key is not None and authorization != f"Bearer {api_key}":
+        return _Plan(status=401, body="missing or wrong bearer token")
+    if problem is not None:
+        return _Plan(status=400, body=problem)
+    return None
+
+
+def _next_plan(
+    script: deque[dict[str, Any]],
+    answer: _Plan,
+    failures: FakeLLMConfig | FakeEmbeddingsConfig,
+    rng: random.Random,
+) -> _Plan:
+    """How to answer an acceptable request: as the next script item says, else with
+    ``fail_status`` at ``fail_rate``, else ``answer`` (after its delay). Under the lock."""
+    item = script.popleft() if script else None
+    # {"pass": true} answers normally: scripts can say "two good answers, then hang".
+    if item is not None and not item.get("pass"):
+        if item.get("hang"):
+            return _Plan(hang=True)
+        if "status" in item:
+            return _Plan(
+                delay_s=answer.delay_s,
+                status=item["status"],
+                retry_after=item.get("retry_after"),
+                body=item.get("body"),
+            )
+        return dataclasses.replace(
+            answer, content=item["content"], finish_reason=item.get("finish_reason", "stop")
+        )
+    if failures.fail_rate > 0 and rng.random() < failures.fail_rate:
+        return _Plan(
+            delay_s=answer.delay_s, status=failures.fail_status, retry_after=failures.retry_after_s
+        )
+    return answer
+
+
+class _Tally:
+    """The counters of one endpoint of the fake; used only under the fake's lock."""
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.requests = 0
+        self.completed = 0
+        self.failed = 0
+        self.aborted = 0
+        self.statuses: Counter[int] = Counter()
+        self.calls: deque[dict[str, Any]] = deque(maxlen=MAX_RECORDED_CALLS)
+
+    def begin(self, record: dict[str, Any]) -> None:
+        self.calls.append(record)
+        self.requests += 1
+
+    def finish(self, record: dict[str, Any], status: int | None) -> None:
+        """``status`` None means the client went away first."""
+        record["status"] = status
+        record["ended"] = time.monotonic()
+        if status is None:
+            self.aborted += 1
+            return
+        self.statuses[status] += 1
+        if status == 200:
+            self.completed += 1
+        else:
+            self.failed += 1
+
+    def counts(self) -> dict[str, Any]:
+        return {
+            "requests": self.requests,
+            "completed": self.completed,
+            "failed": self.failed,
+            "aborted": self.aborted,
+            "statuses": dict(self.statuses),
+        }
+
+
 class _Call:
     """One recorded request; mutated only under the fake's lock."""
 
@@ -455,17 +586,12 @@ class _FakeLLM:
         await self._routes(scope, receive, send)
 
     def _clear_stats(self) -> None:
-        self._requests = 0
-        self._completed = 0
-        self._failed = 0
-        self._aborted = 0
+        self._tally = _Tally()
         self._in_flight = 0
         self._max_in_flight = 0
         self._in_flight_by_scope: Counter[tuple[str, tuple[str, ...]]] = Counter()
         self._max_in_flight_per_scope = 0
         self._max_distinct_scopes = 0
-        self._calls: deque[dict[str, Any]] = deque(maxlen=MAX_RECORDED_CALLS)
-        self._statuses: Counter[int] = Counter()
         self._next_id = 0
 
     # --- direct (thread-safe) control -------------------------------------------------------
@@ -474,19 +600,15 @@ class _FakeLLM:
         """A consistent copy of the counters and recorded calls."""
         with self._lock:
             return {
-                "requests": self._requests,
-                "completed": self._completed,
-                "failed": self._failed,
-                "aborted": self._aborted,
+                **self._tally.counts(),
                 "in_flight": self._in_flight,
                 "max_in_flight": self._max_in_flight,
                 "max_in_flight_per_scope": self._max_in_flight_per_scope,
                 "max_distinct_scopes_in_flight": self._max_distinct_scopes,
                 "calls": [
                     {**call, "scope": list(call["scope"]), "fact_texts": list(call["fact_texts"])}
-                    for call in self._calls
+                    for call in self._tally.calls
                 ],
-                "statuses": dict(self._statuses),
                 "script_pending": len(self._script),
                 "embeddings": self.embeddings.stats(),
             }
@@ -558,8 +680,7 @@ class _FakeLLM:
                 "instructed": parsed.instructed_user,
                 "turns": list(parsed.turns),
             }
-            self._calls.append(record)
-            self._requests += 1
+            self._tally.begin(record)
             self._in_flight += 1
             self._max_in_flight = max(self._max_in_flight, self._in_flight)
             if scope_key is not None:
@@ -571,11 +692,9 @@ class _FakeLLM:
                     self._max_distinct_scopes, len(self._in_flight_by_scope)
                 )
             call = _Call(record, scope_key)
-            if config.api_key is not None and authorization != f"Bearer {config.api_key}":
-                return call, _Plan(status=401, body="missing or wrong bearer token")
-            if parsed.problem is not None:
-                return call, _Plan(status=400, body=parsed.problem)
-            refusal = _refusal(config.dialect, parsed)
+            refusal = _rejection(config.api_key, authorization, parsed.problem) or _refusal(
+                config.dialect, parsed
+            )
             if refusal is not None:
                 return call, refusal
             delay_s = max(
@@ -583,78 +702,35 @@ class _FakeLLM:
                 (config.latency_ms + self._rng.uniform(-config.jitter_ms, config.jitter_ms))
                 / 1000.0,
             )
-            item = self._script.popleft() if self._script else None
-            # {"pass": true} answers normally: scripts can say "two good answers, then hang".
-            if item is not None and not item.get("pass"):
-                if item.get("hang"):
-                    return call, _Plan(hang=True)
-                if "status" in item:
-                    return call, _Plan(
-                        delay_s=delay_s,
-                        status=item["status"],
-                        retry_after=item.get("retry_after"),
-                        body=item.get("body"),
-                    )
-                return call, _Plan(
-                    delay_s=delay_s,
-                    content=item["content"],
-                    finish_reason=item.get("finish_reason", "stop"),
-                    config=config,
-                )
-            if config.fail_rate > 0 and self._rng.random() < config.fail_rate:
-                return call, _Plan(
-                    delay_s=delay_s, status=config.fail_status, retry_after=config.retry_after_s
-                )
-            return call, _Plan(delay_s=delay_s, config=config)
+            answer = _Plan(delay_s=delay_s, config=config)
+            return call, _next_plan(self._script, answer, config, self._rng)
 
     def _finish(self, call: _Call, status: int | None) -> None:
         """Record the end of a call; ``status`` None means the client went away first."""
         with self._lock:
-            call.record["status"] = status
-            call.record["ended"] = time.monotonic()
+            self._tally.finish(call.record, status)
             self._in_flight -= 1
             if call.scope_key is not None:
                 self._in_flight_by_scope[call.scope_key] -= 1
                 if self._in_flight_by_scope[call.scope_key] <= 0:
                     del self._in_flight_by_scope[call.scope_key]
-            if status is None:
-                self._aborted += 1
-                return
-            self._statuses[status] += 1
-            if status == 200:
-                self._completed += 1
-            else:
-                self._failed += 1
 
     # --- endpoints --------------------------------------------------------------------------
 
     async def _chat(self, request: Request) -> Response:
         parsed = _parse(await request.body())
         call, plan = self._begin(parsed, request.headers.get("authorization"))
-        status: int | None = None
-        try:
-            waited = "elapsed"
-            if plan.hang or plan.delay_s > 0:
-                delay_s = None if plan.hang else plan.delay_s
-                waited = await _wait(request.receive, delay_s, self._closing_event())
-            if waited == "disconnect":
-                # Nobody is listening any more; this response is never delivered.
-                return Response(status_code=499)
-            if waited == "closing":
-                response = self._status_response(
-                    _Plan(status=503, body="the fake LLM server is shutting down")
-                )
-            else:
-                response = self._respond(parsed, plan)
-            status = response.status_code
-            return response
-        finally:
-            # Recorded before the response is sent, so "ended" never postdates what the client saw.
-            self._finish(call, status)
+        return await _serve(
+            request.receive,
+            self._closing_event(),
+            plan,
+            lambda: self._respond(parsed, plan),
+            lambda status: self._finish(call, status),
+        )
 
     def _respond(self, parsed: _Parsed, plan: _Plan) -> Response:
         if plan.status != 200 or plan.body is not None:
-            return self._status_response(plan)
+            return _status_response(plan)
         config = plan.config
         if config.envelope == "html":
             return Response(_HTML_PAGE, media_type="text/html")
@@ -668,7 +744,7 @@ class _FakeLLM:
             try:
                 content, finish_reason, completion_tokens = _answer_content(parsed, config)
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                return self._status_response(
+                return _status_response(
                     _Plan(status=400, body=f"cannot consolidate this request: {exc!r}")
                 )
         with self._lock:
@@ -696,26 +772,6 @@ class _FakeLLM:
             },
         }
         return Response(orjson.dumps(payload), media_type="application/json")
-
-    @staticmethod
-    def _status_response(plan: _Plan) -> Response:
-        headers = {}
-        if plan.retry_after is not None:
-            headers["retry-after"] = f"{plan.retry_after:g}"
-        body = plan.body
-        if body is None:
-            content = _error_body(f"fake LLM failure {plan.status}", plan.status)
-        else:
-            # A plain message becomes an OpenAI-style error object; a JSON body is sent as is.
-            try:
-                orjson.loads(body)
-            except orjson.JSONDecodeError:
-                content = _error_body(body, plan.status)
-            else:
-                content = body.encode()
-        return Response(
-            content, status_code=plan.status, headers=headers, media_type="application/json"
-        )
 
     async def _stats_endpoint(self, request: Request) -> Response:
         return Response(
@@ -778,24 +834,15 @@ class _FakeEmbeddings:
         self._clear()
 
     def _clear(self) -> None:
-        self._requests = 0
+        self._tally = _Tally()
         self._inputs = 0
-        self._completed = 0
-        self._failed = 0
-        self._aborted = 0
-        self._statuses: Counter[int] = Counter()
-        self._calls: deque[dict[str, Any]] = deque(maxlen=MAX_RECORDED_CALLS)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
             return {
-                "requests": self._requests,
+                **self._tally.counts(),
                 "inputs": self._inputs,
-                "completed": self._completed,
-                "failed": self._failed,
-                "aborted": self._aborted,
-                "statuses": dict(self._statuses),
-                "calls": [{**c, "inputs": list(c["inputs"])} for c in self._calls],
+                "calls": [{**c, "inputs": list(c["inputs"])} for c in self._tally.calls],
                 "script_pending": len(self._script),
             }
 
@@ -832,42 +879,18 @@ class _FakeEmbeddings:
                 "started": time.monotonic(),
                 "ended": None,
             }
-            self._calls.append(record)
-            self._requests += 1
-            if api_key is not None and auth != f"Bearer {api_key}":
-                return record, _Plan(status=401, body="missing or wrong bearer token")
-            if problem is not None:
-                return record, _Plan(status=400, body=problem)
-            delay_s = config.latency_ms / 1000.0
-            item = self._script.popleft() if self._script else None
-            if item is not None and not item.get("pass"):
-                if item.get("hang"):
-                    return record, _Plan(hang=True)
-                return record, _Plan(
-                    delay_s=delay_s,
-                    status=item["status"],
-                    retry_after=item.get("retry_after"),
-                    body=item.get("body"),
-                )
-            if config.fail_rate > 0 and self._rng.random() < config.fail_rate:
-                return record, _Plan(
-                    delay_s=delay_s, status=config.fail_status, retry_after=config.retry_after_s
-                )
-            return record, _Plan(delay_s=delay_s)
+            self._tally.begin(record)
+            refusal = _rejection(api_key, auth, problem)
+            if refusal is not None:
+                return record, refusal
+            answer = _Plan(delay_s=config.latency_ms / 1000.0)
+            return record, _next_plan(self._script, answer, config, self._rng)
 
     def _finish(self, record: dict[str, Any], status: int | None) -> None:
         with self._lock:
-            record["status"] = status
-            record["ended"] = time.monotonic()
-            if status is None:
-                self._aborted += 1
-                return
-            self._statuses[status] += 1
+            self._tally.finish(record, status)
             if status == 200:
-                self._completed += 1
                 self._inputs += len(record["inputs"])
-            else:
-                self._failed += 1
 
     @staticmethod
     def _parse(body: bytes, default_dimensions: int) -> tuple[list[str], str, int, str | None]:
@@ -898,33 +921,25 @@ class _FakeEmbeddings:
         record, plan = self._begin(
             inputs, model, dimensions, problem, request.headers.get("authorization")
         )
-        status: int | None = None
-        try:
-            waited = "elapsed"
-            if plan.hang or plan.delay_s > 0:
-                delay_s = None if plan.hang else plan.delay_s
-                waited = await _wait(request.receive, delay_s, self._owner._closing_event())
-            if waited == "disconnect":
-                return Response(status_code=499)
-            if waited == "closing":
-                response = _FakeLLM._status_response(
-                    _Plan(status=503, body="the fake LLM server is shutting down")
-                )
-            elif plan.status != 200 or plan.body is not None:
-                response = _FakeLLM._status_response(plan)
-            else:
-                response = Response(
-                    orjson.dumps(_embeddings_payload(inputs, model, dimensions)),
-                    media_type="application/json",
-                )
-            status = response.status_code
-            return response
-        finally:
-            self._finish(record, status)
+        return await _serve(
+            request.receive,
+            self._owner._closing_event(),
+            plan,
+            lambda: _embeddings_response(plan, inputs, model, dimensions),
+            lambda status: self._finish(record, status),
+        )
+
+
+def _embeddings_response(plan: _Plan, inputs: list[str], model: str, dimensions: int) -> Response:
+    if plan.status != 200 or plan.body is not None:
+        return _status_response(plan)
+    return Response(
+        orjson.dumps(_embeddings_payload(inputs, model, dimensions)), media_type="application/json"
+    )
 
 
 def _embeddings_payload(inputs: list[str], model: str, dimensions: int) -> dict[str, Any]:
-    tokens = sum((len(text) + 3) // 4 for text in inputs)
+    tokens = sum(estimate_tokens(text) for text in inputs)
     return {
         "object": "list",
         "data": [
