@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
@@ -14,25 +13,7 @@ import pytest
 from consolidation import db
 from consolidation.api import MAX_BODY_BYTES, create_app
 from consolidation.settings import load_settings
-
-ClientFactory = Callable[..., AbstractAsyncContextManager[httpx.AsyncClient]]
-
-
-@pytest.fixture
-def make_client(pool: asyncpg.Pool, database_url: str) -> ClientFactory:
-    """Open a client on a fresh app; keyword arguments override settings."""
-
-    @asynccontextmanager
-    async def factory(
-        *, on: asyncpg.Pool | None = None, **overrides: Any
-    ) -> AsyncIterator[httpx.AsyncClient]:
-        settings = load_settings(database_url=database_url, **overrides)
-        app = create_app(settings, on or pool)
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            yield client
-
-    return factory
+from tests.integration.conftest import ClientFactory
 
 
 @pytest.fixture

@@ -6,8 +6,7 @@ The browser flows (auto-refresh, confirmations, buttons) are in tests/acceptance
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlencode
 
@@ -15,29 +14,15 @@ import asyncpg
 import httpx
 import pytest
 
-from consolidation.api import create_app
-from consolidation.settings import load_settings
+from tests.integration.conftest import ClientFactory
 
-ClientFactory = Callable[..., AbstractAsyncContextManager[httpx.AsyncClient]]
 SAME_ORIGIN = {"Origin": "http://test"}
 HOSTILE = '<script>alert("x")</script>'
 
 
 @pytest.fixture
-def make_client(pool: asyncpg.Pool, database_url: str) -> ClientFactory:
-    @asynccontextmanager
-    async def factory(**overrides: Any) -> AsyncIterator[httpx.AsyncClient]:
-        settings = load_settings(database_url=database_url, auto_consolidate=False, **overrides)
-        transport = httpx.ASGITransport(app=create_app(settings, pool))
-        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            yield client
-
-    return factory
-
-
-@pytest.fixture
 async def client(make_client: ClientFactory) -> AsyncIterator[httpx.AsyncClient]:
-    async with make_client() as c:
+    async with make_client(auto_consolidate=False) as c:
         yield c
 
 
@@ -162,7 +147,7 @@ async def _sign_in(client: httpx.AsyncClient, key: str, **form: str) -> httpx.Re
 async def test_with_an_api_key_the_pages_ask_for_it_and_a_strict_cookie_stands_for_it(
     make_client: ClientFactory,
 ) -> None:
-    async with make_client(api_key="s3cret") as client:
+    async with make_client(api_key="s3cret", auto_consolidate=False) as client:
         await client.post(
             "/v1/banks/b/memories",
             json={"memories": [{"text": "x"}]},
@@ -223,13 +208,13 @@ async def test_with_an_api_key_the_pages_ask_for_it_and_a_strict_cookie_stands_f
 async def test_signing_in_never_redirects_off_the_dashboard(
     make_client: ClientFactory, target: str
 ) -> None:
-    async with make_client(api_key="s3cret") as client:
+    async with make_client(api_key="s3cret", auto_consolidate=False) as client:
         response = await _sign_in(client, "s3cret", next=target)
         assert response.status_code == 303 and response.headers["location"] == "/ui"
 
 
 async def test_a_sign_in_from_another_site_is_refused(make_client: ClientFactory) -> None:
-    async with make_client(api_key="s3cret") as client:
+    async with make_client(api_key="s3cret", auto_consolidate=False) as client:
         response = await client.post(
             "/ui/login",
             content=b"key=s3cret",

@@ -25,7 +25,7 @@ from consolidation.fake_embeddings import embed_text
 from consolidation.fake_llm import FakeLLMConfig, FakeLLMServer
 from consolidation.settings import load_settings
 from tests.integration.engine_helpers import wait_for
-from tests.unit.test_llm import metric
+from tests.unit.test_llm import closing_clients, metric
 
 
 def cosine(a: list[float], b: list[float]) -> float:
@@ -40,24 +40,8 @@ def fake() -> Iterator[FakeLLMServer]:
 
 @pytest.fixture
 async def make_embedder() -> AsyncIterator[Callable[..., HTTPEmbedder]]:
-    clients: list[HTTPEmbedder] = []
-
-    def make(base_url: str, **overrides: Any) -> HTTPEmbedder:
-        options: dict[str, Any] = {
-            "model": "test-embed",
-            "timeout_s": 10.0,
-            "max_retries": 3,
-            "backoff_base_s": 0.001,
-            "backoff_max_s": 0.01,
-            **overrides,
-        }
-        client = HTTPEmbedder(base_url=base_url, **options)
-        clients.append(client)
-        return client
-
-    yield make
-    for client in clients:
-        await client.aclose()
+    async with closing_clients(HTTPEmbedder, "test-embed") as make:
+        yield make
 
 
 # --- the fake's vectors ------------------------------------------------------------------------

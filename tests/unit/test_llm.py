@@ -7,9 +7,10 @@ import dataclasses
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
-from typing import Any
+from typing import Any, Protocol, TypeVar
 from uuid import uuid4
 
 import orjson
@@ -26,6 +27,13 @@ from consolidation.metrics import EventLoopLagMonitor
 from tests.integration.engine_helpers import wait_for
 
 SYSTEM = "You consolidate memories."
+
+
+class _Closable(Protocol):
+    async def aclose(self) -> None: ...
+
+
+C = TypeVar("C", bound=_Closable)
 
 
 def user_message(*facts: str, bank: str = "b1", scope: tuple[str, ...] = ("x",)) -> str:
@@ -62,26 +70,38 @@ def fake() -> Iterator[FakeLLMServer]:
         yield server
 
 
-@pytest.fixture
-async def make_client() -> AsyncIterator[Callable[..., HTTPConsolidator]]:
-    clients: list[HTTPConsolidator] = []
+@asynccontextmanager
+async def closing_clients(
+    client_class: Callable[..., C], model: str
+) -> AsyncIterator[Callable[..., C]]:
+    """Make ``client_class(base_url, **overrides)`` clients with quick retries; all are closed
+    on exit."""
+    clients: list[C] = []
 
-    def make(base_url: str, **overrides: Any) -> HTTPConsolidator:
+    def make(base_url: str, **overrides: Any) -> C:
         options: dict[str, Any] = {
-            "model": "test-model",
+            "model": model,
             "timeout_s": 10.0,
             "max_retries": 3,
             "backoff_base_s": 0.001,
             "backoff_max_s": 0.01,
             **overrides,
         }
-        client = HTTPConsolidator(base_url=base_url, **options)
+        client = client_class(base_url=base_url, **options)
         clients.append(client)
         return client
 
-    yield make
-    for client in clients:
-        await client.aclose()
+    try:
+        yield make
+    finally:
+        for client in clients:
+            await client.aclose()
+
+
+@pytest.fixture
+async def make_client() -> AsyncIterator[Callable[..., HTTPConsolidator]]:
+    async with closing_clients(HTTPConsolidator, "test-model") as make:
+        yield make
 
 
 async def test_complete_returns_content_and_usage(fake: FakeLLMServer, make_client: Any) -> None:
