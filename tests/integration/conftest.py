@@ -1,4 +1,4 @@
-"""Fixtures of the in-process API tests (test_api.py, test_ui.py)."""
+"""Fixtures of the in-process API tests (test_api.py, test_ui.py, test_lifecycle_api.py)."""
 
 from __future__ import annotations
 
@@ -32,3 +32,10 @@ def make_client(pool: asyncpg.Pool, database_url: str) -> ClientFactory:
             yield client
 
     return factory
+
+
+@pytest.fixture
+async def manual_client(make_client: ClientFactory) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of an app that does not enqueue consolidations on ingestion."""
+    async with make_client(auto_consolidate=False) as c:
+        yield c

@@ -22,13 +22,6 @@ async def client(make_client: ClientFactory) -> AsyncIterator[httpx.AsyncClient]
         yield c
 
 
-@pytest.fixture
-async def manual_client(make_client: ClientFactory) -> AsyncIterator[httpx.AsyncClient]:
-    """A client of an app that does not enqueue consolidations on ingestion."""
-    async with make_client(auto_consolidate=False) as c:
-        yield c
-
-
 def assert_error(response: httpx.Response, status: int, code: str | None = None) -> dict[str, Any]:
     assert response.status_code == status, response.text
     assert response.headers["content-type"].startswith("application/json")

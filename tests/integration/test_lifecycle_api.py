@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import asyncpg
@@ -15,31 +13,15 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from consolidation import backlog, db, queue, store
-from consolidation.api import create_app
 from consolidation.engine import StopReason, StopSignal
 from consolidation.errors import NotFound
 from consolidation.fake_llm import FakeLLMServer
-from consolidation.settings import load_settings
+from tests.integration.conftest import ClientFactory
 from tests.integration.engine_helpers import http_llm, run_next, wait_for
 from tests.integration.engine_helpers import ingest as ingest_direct
 from tests.integration.test_api import assert_error, ingest
 from tests.invariants import tables_containing
 from tests.proxy import TcpProxy
-
-
-@pytest.fixture
-async def manual_client(pool: asyncpg.Pool, database_url: str) -> AsyncIterator[httpx.AsyncClient]:
-    """The API on ``pool``, with no consolidation enqueued on ingestion."""
-    async with api_client(pool, database_url) as client:
-        yield client
-
-
-@asynccontextmanager
-async def api_client(pool: asyncpg.Pool, database_url: str) -> AsyncIterator[httpx.AsyncClient]:
-    app = create_app(load_settings(database_url=database_url, auto_consolidate=False), pool)
-    transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-        yield client
 
 
 async def test_delete_a_memory_answers_202_with_its_forget_operation_idempotently(
@@ -211,13 +193,13 @@ async def test_metrics_show_the_backlog_of_every_bank(
 
 
 async def test_a_scrape_answers_without_the_backlog_when_the_database_does_not(
-    database_url: str,
+    database_url: str, make_client: ClientFactory
 ) -> None:
     host, port = "127.0.0.1", 5432
     async with TcpProxy(host, port) as proxy:
         stalled = await db.create_pool(proxy.url(database_url), min_size=1, max_size=2)
         try:
-            async with api_client(stalled, database_url) as client:
+            async with make_client(on=stalled, auto_consolidate=False) as client:
                 proxy.hold()  # the database stops answering; nothing is reset
                 samples = await asyncio.wait_for(scrape(client), 30)
                 proxy.release()
