@@ -126,22 +126,6 @@ class Budget:
         return 0.0 if self.started is None else time.monotonic() - self.started
 
 
-@dataclass(frozen=True)
-class Route:
-    """What tells one client's endpoint from another's: its path under the base URL, how
-    messages name it (``label``, ``LLM``) and its settings (``setting``, the prefix
-    ``CONSOLIDATION_LLM``), the errors it raises, the metrics it reports to and the event it
-    logs a retry with."""
-
-    path: str
-    label: str
-    setting: str
-    config_error: type[LLMConfigError]
-    exhausted: type[RetriesExhausted]
-    meters: Meters
-    retry_event: str
-
-
 class Options(TypedDict, total=False):
     """How an endpoint is called (the defaults are :class:`Endpoint`'s): the timeout of one
     request, how many retries and how long in all (``retry_budget_s``, unset: 2 × ``timeout_s``)
@@ -178,6 +162,22 @@ class Meters:
     latency: Histogram
     in_flight: Gauge | None = None
     retry_after: Counter | None = None
+
+
+@dataclass(frozen=True)
+class Route:
+    """What tells one client's endpoint from another's: its path under the base URL, how
+    messages name it (``label``, ``LLM``) and its settings (``setting``, the prefix
+    ``CONSOLIDATION_LLM``), the errors it raises, the metrics it reports to and the event it
+    logs a retry with."""
+
+    path: str
+    label: str
+    setting: str
+    config_error: type[LLMConfigError]
+    exhausted: type[RetriesExhausted]
+    meters: Meters
+    retry_event: str
 
 
 def parse_retry_after(value: str | None, now: datetime | None = None) -> float | None:
