@@ -245,7 +245,7 @@ class OperationRun:
         self._slot_taken = asyncio.Event()
         self._last_writer: dict[Scope, asyncio.Task[None]] = {}
         self._waves_launched = 0
-        self._closing = asyncio.Lock()  # one wave's close at a time
+        self._closing = asyncio.Lock()
         self.log = log.bind(operation_id=str(lease.operation_id), bank_id=lease.bank_id)
 
     async def run(self) -> RunSummary:
@@ -413,64 +413,54 @@ class OperationRun:
         started: float,
         interrupted: bool,
     ) -> None:
-        async with self._closing:
-            await self._commit_wave(number, states, reports, started, interrupted)
-
-    async def _commit_wave(
-        self,
-        number: int,
-        states: Sequence[_MemoryState],
-        reports: Sequence[Sequence[_BatchReport]],
-        started: float,
-        interrupted: bool,
-    ) -> None:
-        if interrupted:
-            # Interrupted: an apply may have committed although its caller never heard back (it
-            # was cancelled, or the connection dropped, after the server's commit). The journal
-            # knows; without this its memories would wait for the next operation's recovery.
-            await self._reread_journal(states)
-        outcome = {id(s): s.result() for s in states if s.finished() or s.failure is not None}
-        for group_reports in reports:
-            for report in group_reports:
-                for member in report.members:
-                    action = outcome.get(id(member))
-                    if action is not None:
-                        report.perf.count_action(action)
-                self.summary.perf += report.perf
-                self.log.info(
-                    "batch",
-                    wave=number,
-                    group=report.group,
-                    batch=report.number,
-                    scopes=[list(s) for s in report.scopes],
-                    **report.perf.to_dict(),
-                )
-        consolidated = [s.memory.id for s in states if s.finished()]
-        failed = {s.memory.id: s.failure for s in states if s.failure is not None}
-        await store.commit_wave_markers(self.pool, self.lease, consolidated, failed)
-        for action in outcome.values():
-            if action is not None:
-                metrics.MEMORIES.labels(action=action).inc()
-        recovered = sum(action is None for action in outcome.values())
-        self.summary.waves += 1
-        self.summary.processed += len(consolidated) + len(failed)
-        self.summary.consolidated += len(consolidated)
-        self.summary.failed += len(failed)
-        self.summary.recovered += recovered
-        self.log.info(
-            "wave",
-            wave=number,
-            memories=len(states),
-            consolidated=len(consolidated),
-            failed=len(failed),
-            recovered=recovered,
-            seconds=round(time.monotonic() - started, 4),
-        )
-        if await queue.record_progress(self.pool, self.lease, self.summary.progress()):
-            self.stop.set(StopReason.CANCEL)
-        elif await self._slice_over(full_wave=len(states) >= self.settings.wave_size):
-            self.stop.set(StopReason.SLICE)
-        self._report()
+        async with self._closing:  # one wave's close at a time
+            if interrupted:
+                # Interrupted: an apply may have committed although its caller never heard back (it
+                # was cancelled, or the connection dropped, after the server's commit). The journal
+                # knows; without this its memories would wait for the next operation's recovery.
+                await self._reread_journal(states)
+            outcome = {id(s): s.result() for s in states if s.finished() or s.failure is not None}
+            for group_reports in reports:
+                for report in group_reports:
+                    for member in report.members:
+                        action = outcome.get(id(member))
+                        if action is not None:
+                            report.perf.count_action(action)
+                    self.summary.perf += report.perf
+                    self.log.info(
+                        "batch",
+                        wave=number,
+                        group=report.group,
+                        batch=report.number,
+                        scopes=[list(s) for s in report.scopes],
+                        **report.perf.to_dict(),
+                    )
+            consolidated = [s.memory.id for s in states if s.finished()]
+            failed = {s.memory.id: s.failure for s in states if s.failure is not None}
+            await store.commit_wave_markers(self.pool, self.lease, consolidated, failed)
+            for action in outcome.values():
+                if action is not None:
+                    metrics.MEMORIES.labels(action=action).inc()
+            recovered = sum(action is None for action in outcome.values())
+            self.summary.waves += 1
+            self.summary.processed += len(consolidated) + len(failed)
+            self.summary.consolidated += len(consolidated)
+            self.summary.failed += len(failed)
+            self.summary.recovered += recovered
+            self.log.info(
+                "wave",
+                wave=number,
+                memories=len(states),
+                consolidated=len(consolidated),
+                failed=len(failed),
+                recovered=recovered,
+                seconds=round(time.monotonic() - started, 4),
+            )
+            if await queue.record_progress(self.pool, self.lease, self.summary.progress()):
+                self.stop.set(StopReason.CANCEL)
+            elif await self._slice_over(full_wave=len(states) >= self.settings.wave_size):
+                self.stop.set(StopReason.SLICE)
+            self._report()
 
     async def _slice_over(self, full_wave: bool) -> bool:
         """Whether to give the slot up: the slice has run out and another operation waits for
