@@ -63,10 +63,7 @@ class Databases:
         if key in self._templates:
             return self._templates[key], 0.0
         name = f"bench_tpl_{self.tag}_{len(self._templates)}"
-        await _admin(self.admin_url, f'CREATE DATABASE "{name}"')
-        self._created.append(name)
-        url = with_database(self.admin_url, name)
-        await asyncio.to_thread(db.migrate_sync, url)
+        url = await self.migrated(name)
         extra_sql = os.environ.get("BENCH_TEMPLATE_SQL")
         if extra_sql:
             # Schema a proposed engine change needs (with BENCH_OVERLAY), e.g. a new function.
@@ -77,6 +74,14 @@ class Databases:
         await _admin(url, "VACUUM ANALYZE")
         self._templates[key] = name
         return name, seconds
+
+    async def migrated(self, name: str) -> str:
+        """A new, empty database migrated to the current schema; returns its URL."""
+        await _admin(self.admin_url, f'CREATE DATABASE "{name}"')
+        self._created.append(name)
+        url = with_database(self.admin_url, name)
+        await asyncio.to_thread(db.migrate_sync, url)
+        return url
 
     async def clone(self, template: str) -> str:
         """A fresh copy of a template; returns its URL."""
