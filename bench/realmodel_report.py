@@ -4,7 +4,7 @@ events and the observations left in the database. Pure: no I/O but reading the b
 The judgement is deliberately simple and checkable by eye: an observation "belongs" to the labels
 of the memories it cites; a duplicates label should end as exactly one observation, a state
 change as observations that name the new state and none that name only the old one, a single
-fact as at least one observation citing it.
+fact as at least one observation citing it and nothing unrelated.
 """
 
 from __future__ import annotations
@@ -210,12 +210,14 @@ def judge(bank: Bank, observations: Sequence[ObservationSeen]) -> dict[str, Any]
     label_of = {m.key: m.label for m in bank.memories}
     by_label: dict[str, list[ObservationSeen]] = {name: [] for name in bank.labels}
     mixed = []
+    mixed_texts = set()
     for obs in observations:
         labels = sorted({label_of[k] for k in obs.sources if k in label_of})
         for name in labels:
             by_label[name].append(obs)
         if len(labels) > 1:
             mixed.append({"text": obs.text, "labels": labels})
+            mixed_texts.add(obs.text)
     verdicts: dict[str, Any] = {}
     totals: Counter[str] = Counter()
     for name, label in bank.labels.items():
@@ -223,9 +225,13 @@ def judge(bank: Bank, observations: Sequence[ObservationSeen]) -> dict[str, Any]
         problems = []
         if not seen:
             problems.append("no observation cites it")
+        tangled = sum(o.text in mixed_texts for o in seen)
+        if tangled:
+            problems.append(f"{tangled} observation(s) also cite other labels")
         if label.kind == "duplicates":
             totals["duplicates"] += 1
-            totals["duplicates_collapsed"] += len(seen) == 1
+            # One observation, about this label alone: a pile of unrelated facts is no merge.
+            totals["duplicates_collapsed"] += len(seen) == 1 and not tangled
             totals["duplicates_extra"] += max(0, len(seen) - 1)
             if len(seen) > 1:
                 problems.append(f"{len(seen)} observations (duplicates left)")
@@ -247,7 +253,8 @@ def judge(bank: Bank, observations: Sequence[ObservationSeen]) -> dict[str, Any]
                 problems.append(f"{len(seen)} observations")
         else:
             totals["facts"] += 1
-            totals["facts_kept"] += bool(seen)
+            # Cited by an observation about it alone (a pile of facts may not even say it).
+            totals["facts_kept"] += len(seen) > tangled
         verdicts[name] = {
             "kind": label.kind,
             "expect": label.expect,
