@@ -163,6 +163,13 @@ def cmd_minilm(args: argparse.Namespace) -> int:
 
 
 def cmd_realmodel(args: argparse.Namespace) -> int:
+    if args.report:
+        print(
+            realmodel.render_table(
+                realmodel.rejudge(orjson.loads(args.report.read_bytes()), args.bank_file)
+            )
+        )
+        return 0
     results = asyncio.run(realmodel.run(args, _log))
     path = _save(results, args.results_dir, "realmodel")
     print(realmodel.render_table(results))

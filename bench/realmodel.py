@@ -59,7 +59,7 @@ LANE_DEFAULTS = {
     "CONSOLIDATION_LLM_MAX_CONCURRENT": "1",
 }
 _SECRET_WORDS = ("KEY", "PASSWORD", "SECRET", "TOKEN")
-__all__ = ["add_parser", "render_table", "run"]
+__all__ = ["add_parser", "rejudge", "render_table", "run"]
 
 
 def add_parser(sub: Any, database_default: str, results_default: Path) -> None:
@@ -135,6 +135,21 @@ def add_parser(sub: Any, database_default: str, results_default: Path) -> None:
     p.add_argument(
         "--keep-database", action="store_true", help="leave the run's database for inspection"
     )
+    p.add_argument(
+        "--report",
+        type=Path,
+        metavar="JSON",
+        help="run nothing: render a saved result again, judged against --bank-file's labels",
+    )
+
+
+def rejudge(results: dict[str, Any], bank_file: Path) -> dict[str, Any]:
+    """A saved result with its observations judged again (labels or rules may have changed)."""
+    seen = [
+        ObservationSeen(tuple(o["scope"]), o["text"], tuple(o["sources"]))
+        for o in results.get("observations") or []
+    ]
+    return {**results, "judgement": judge(load_bank(bank_file), seen)}
 
 
 def client_env(args: argparse.Namespace) -> dict[str, str]:
