@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -136,6 +137,12 @@ def add_parser(sub: Any, database_default: str, results_default: Path) -> None:
         "--keep-database", action="store_true", help="leave the run's database for inspection"
     )
     p.add_argument(
+        "--deadline-s",
+        type=float,
+        help="cancel the replay after this many seconds (a model that rambles); the figures "
+        "then cover what was done",
+    )
+    p.add_argument(
         "--report",
         type=Path,
         metavar="JSON",
@@ -213,7 +220,11 @@ async def run(args: argparse.Namespace, log: Log) -> dict[str, Any]:
         databases = Databases(args.database_url)
         try:
             url = await databases.migrated(f"bench_realmodel_{uuid.uuid4().hex[:10]}")
-            results.update(await _consolidate(bank, url, env, logs / f"realmodel-{stamp}", log))
+            results.update(
+                await _consolidate(
+                    bank, url, env, logs / f"realmodel-{stamp}", args.deadline_s, log
+                )
+            )
         finally:
             if args.keep_database:
                 log(f"database kept: {url}")
@@ -272,7 +283,12 @@ def _start_server(
 
 
 async def _consolidate(
-    bank: Bank, url: str, env: Mapping[str, str], prefix: Path, log: Log
+    bank: Bank,
+    url: str,
+    env: Mapping[str, str],
+    prefix: Path,
+    deadline_s: float | None,
+    log: Log,
 ) -> dict[str, Any]:
     """ingest + replay through the CLI, then read back what the operation left."""
     prefix.parent.mkdir(parents=True, exist_ok=True)
@@ -300,21 +316,16 @@ async def _consolidate(
     replay_log = prefix.with_name(prefix.name + "-replay.log")
     started = time.perf_counter()
     with replay_log.open("wb") as err:
-        replay = await asyncio.to_thread(
-            subprocess.run,
-            [*cli, "replay", bank.bank_id, "--json"],
-            env=child_env,
-            stdout=subprocess.PIPE,
-            stderr=err,
-            check=False,
+        stdout, returncode = await asyncio.to_thread(
+            _replay, [*cli, "replay", bank.bank_id, "--json"], child_env, err, deadline_s, log
         )
     replay_s = time.perf_counter() - started
     lines = replay_log.read_bytes().splitlines()
     try:
-        operation = orjson.loads(replay.stdout)
+        operation = orjson.loads(stdout)
     except orjson.JSONDecodeError:
         tail = b"\n".join(lines[-5:]).decode(errors="replace")
-        operation = {"status": f"replay exited {replay.returncode}", "error": tail, "result": None}
+        operation = {"status": f"replay exited {returncode}", "error": tail, "result": None}
     counts, notable = log_events(lines)
     perf = (operation.get("result") or {}).get("perf") or {}
     observations = await _observations(url, bank)
@@ -334,6 +345,23 @@ async def _consolidate(
             for o in observations
         ],
     }
+
+
+def _replay(
+    command: list[str], env: Mapping[str, str], err: Any, deadline_s: float | None, log: Log
+) -> tuple[bytes, int]:
+    """Run ``replay``; past ``deadline_s`` cancel it as Ctrl-C would (the operation ends
+    ``cancelled`` with what it applied, and its figures so far are still reported)."""
+    with subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL
+    ) as process:
+        try:
+            stdout, _ = process.communicate(timeout=deadline_s)
+        except subprocess.TimeoutExpired:
+            log(f"deadline of {deadline_s:g} s reached: cancelling the replay")
+            process.send_signal(signal.SIGINT)
+            stdout, _ = process.communicate()
+        return stdout, process.returncode
 
 
 async def _observations(url: str, bank: Bank) -> list[ObservationSeen]:
