@@ -151,12 +151,22 @@ def add_parser(sub: Any, database_default: str, results_default: Path) -> None:
 
 
 def rejudge(results: dict[str, Any], bank_file: Path) -> dict[str, Any]:
-    """A saved result with its observations judged again (labels or rules may have changed)."""
+    """A saved result with its figures and judgement computed again (the labels or the rules
+    may have changed since it was saved)."""
     seen = [
         ObservationSeen(tuple(o["scope"]), o["text"], tuple(o["sources"]))
         for o in results.get("observations") or []
     ]
-    return {**results, "judgement": judge(load_bank(bank_file), seen)}
+    operation = results.get("operation") or {}
+    perf = (operation.get("result") or {}).get("perf") or {}
+    figures = (
+        llm_figures(
+            perf, results.get("events") or {}, completed=operation.get("status") == "completed"
+        )
+        if perf
+        else None
+    )
+    return {**results, "figures": figures, "judgement": judge(load_bank(bank_file), seen)}
 
 
 def client_env(args: argparse.Namespace) -> dict[str, str]:

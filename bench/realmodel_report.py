@@ -111,27 +111,27 @@ def llm_figures(
     """Calls, first-try validity and repairs of one operation.
 
     Every LLM call is either a pass's first try or a repair (a retry after an unusable answer);
-    ``llm_failures`` counts every unusable answer, first try or repair. Repairs come from the
-    PerfLog's ``llm_repairs`` / ``llm_repaired`` when the engine has them; before those counters
-    existed a pass retried an unusable answer exactly once, logging ``unusable_answer_retry``,
-    so the log line counts repairs and the failures beyond them are failed repairs.
+    ``llm_failures`` counts every unusable answer, first try or repair. A pass whose first answer
+    is unusable logs ``unusable_answer_retry`` before its repair (before and after the repair
+    counters existed), so that line counts first-try failures; repairs come from the PerfLog's
+    ``llm_repairs`` / ``llm_repaired`` when the engine has them, else one per such line.
 
-    An operation that did not complete ended on a call that got no usable HTTP answer
-    (``partial``); when no answer came at all (no tokens), validity is unknown, not perfect.
+    An operation that did not complete may end on a call that got no answer (``partial``); when
+    no answer came at all (no tokens, no unusable answer), validity is unknown, not perfect.
     """
     calls = _number(perf, "llm_calls")
     failures = _number(perf, "llm_failures")
     memories = _number(perf, "memories")
+    first_try_failures = float(events.get("unusable_answer_retry", 0))
     if "llm_repairs" in perf:
         repairs = _number(perf, "llm_repairs")
         repaired = _number(perf, "llm_repaired")
         source = "perf"
     else:
-        repairs = float(events.get("unusable_answer_retry", 0))
-        repaired = max(0.0, 2 * repairs - failures)
+        repairs = first_try_failures
+        repaired = max(0.0, repairs - (failures - first_try_failures))
         source = "log"
     passes = calls - repairs
-    first_try_failures = failures - (repairs - repaired)
     tokens = _number(perf, "prompt_tokens") + _number(perf, "completion_tokens")
     answered = tokens > 0 or failures > 0
     return {
