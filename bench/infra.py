@@ -118,6 +118,18 @@ async def ingest(url: str, shape: BankShape, log: Any = print) -> None:
         await pool.close()
 
 
+def stop_process(process: subprocess.Popen[bytes] | None, grace_s: float) -> None:
+    """SIGINT a child server (it shuts down cleanly), SIGKILL it after ``grace_s``."""
+    if process is None or process.poll() is not None:
+        return
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 class FakeLLM:
     """``consolidation fake-llm`` in its own process on a free loopback port."""
 
@@ -187,14 +199,7 @@ class FakeLLM:
         tb: TracebackType | None,
     ) -> None:
         process, self._process = self._process, None
-        if process is None or process.poll() is not None:
-            return
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process, grace_s=10)
 
     @property
     def pid(self) -> int:

@@ -12,7 +12,6 @@ import hashlib
 import os
 import platform
 import re
-import signal
 import socket
 import struct
 import subprocess
@@ -26,6 +25,8 @@ from types import TracebackType
 from typing import Any, BinaryIO
 
 import httpx
+
+from bench.infra import stop_process
 
 LLAMA_CPP_VERSION = "0.3.36"
 LLAMA_CPP_REQUIREMENT = f"llama-cpp-python[server]=={LLAMA_CPP_VERSION}"
@@ -431,14 +432,7 @@ class LlamaServer:
 
     def stop(self) -> None:
         process, self._process = self._process, None
-        if process is None or process.poll() is not None:
-            return
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process, grace_s=15)
 
     def http_statuses(self) -> dict[str, int]:
         """Chat-completion responses by HTTP status since the warm-up, from the access log."""
