@@ -8,6 +8,7 @@ python -m bench fairness       # small banks' wait behind a 10,000-memory bank (
 python -m bench generate N > bank.jsonl   # a bank for `consolidation ingest`
 python -m bench recall         # recall quality: full text vs hybrid, all-MiniLM-L6-v2 on CPU
 python -m bench minilm [--check | --port N]   # that model behind /v1/embeddings
+python -m bench realmodel      # against llama-cpp-python and a real GGUF (docs/real-models.md)
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from bench import fairness, report, scenarios
+from bench import fairness, realmodel, report, scenarios
 from bench.infra import pgvector_server
 from bench.workload import BankShape, generate
 
@@ -161,6 +162,21 @@ def cmd_minilm(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_realmodel(args: argparse.Namespace) -> int:
+    if args.report:
+        print(
+            realmodel.render_table(
+                realmodel.rejudge(orjson.loads(args.report.read_bytes()), args.bank_file)
+            )
+        )
+        return 0
+    results = asyncio.run(realmodel.run(args, _log))
+    path = _save(results, args.results_dir, "realmodel")
+    print(realmodel.render_table(results))
+    print(f"\nJSON: {path}")
+    return 0 if results["operation"].get("status") == "completed" else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -242,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8088)
     p.set_defaults(handler=cmd_minilm)
+    realmodel.add_parser(sub, os.environ.get("BENCH_DATABASE_URL", DEFAULT_URL), RESULTS)
+    sub.choices["realmodel"].set_defaults(handler=cmd_realmodel)
     return parser
 
 

@@ -63,10 +63,7 @@ class Databases:
         if key in self._templates:
             return self._templates[key], 0.0
         name = f"bench_tpl_{self.tag}_{len(self._templates)}"
-        await _admin(self.admin_url, f'CREATE DATABASE "{name}"')
-        self._created.append(name)
-        url = with_database(self.admin_url, name)
-        await asyncio.to_thread(db.migrate_sync, url)
+        url = await self.migrated(name)
         extra_sql = os.environ.get("BENCH_TEMPLATE_SQL")
         if extra_sql:
             # Schema a proposed engine change needs (with BENCH_OVERLAY), e.g. a new function.
@@ -77,6 +74,14 @@ class Databases:
         await _admin(url, "VACUUM ANALYZE")
         self._templates[key] = name
         return name, seconds
+
+    async def migrated(self, name: str) -> str:
+        """A new, empty database migrated to the current schema; returns its URL."""
+        await _admin(self.admin_url, f'CREATE DATABASE "{name}"')
+        self._created.append(name)
+        url = with_database(self.admin_url, name)
+        await asyncio.to_thread(db.migrate_sync, url)
+        return url
 
     async def clone(self, template: str) -> str:
         """A fresh copy of a template; returns its URL."""
@@ -111,6 +116,18 @@ async def ingest(url: str, shape: BankShape, log: Any = print) -> None:
                 last = time.monotonic()
     finally:
         await pool.close()
+
+
+def stop_process(process: subprocess.Popen[bytes] | None, grace_s: float) -> None:
+    """SIGINT a child server (it shuts down cleanly), SIGKILL it after ``grace_s``."""
+    if process is None or process.poll() is not None:
+        return
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
 
 
 class FakeLLM:
@@ -182,14 +199,7 @@ class FakeLLM:
         tb: TracebackType | None,
     ) -> None:
         process, self._process = self._process, None
-        if process is None or process.poll() is not None:
-            return
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process, grace_s=10)
 
     @property
     def pid(self) -> int:
