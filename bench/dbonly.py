@@ -58,16 +58,16 @@ class Recorder:
     def _wrap(
         self, name: str, original: Callable[..., Awaitable[Any]]
     ) -> Callable[..., Awaitable[Any]]:
-        async def recorded(*args: Any) -> Any:
-            self._record(name, args)
-            result = await original(*args)
+        async def recorded(*args: Any, **kwargs: Any) -> Any:
+            self._record(name, args, kwargs)
+            result = await original(*args, **kwargs)
             if name == "fetch_wave":
                 self.waves[-1].memory_ids = {m.id for m in result}
             return result
 
         return recorded
 
-    def _record(self, name: str, args: tuple[Any, ...]) -> None:
+    def _record(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         task = asyncio.current_task()
         where = task.get_name() if task is not None else ""
         if name == "fetch_wave":
@@ -85,13 +85,22 @@ class Recorder:
             return
         wave = self.waves[int(where.split("-")[1]) - 1]
         if name == "recall":
-            _, _, scope, fact_texts, limit = args
+            _, _, scope, fact_texts, limit, *vectors = args
             wave.groups.setdefault(where, []).append(
-                {"recall": {"scope": scope, "fact_texts": list(fact_texts), "limit": limit}}
+                {
+                    "recall": {
+                        "scope": scope,
+                        "fact_texts": list(fact_texts),
+                        "limit": limit,
+                        "fact_vectors": vectors[0] if vectors else None,
+                    }
+                }
             )
         else:
             _, _, write, recall_next = args
-            wave.groups.setdefault(where, []).append({"apply": write, "next": recall_next})
+            wave.groups.setdefault(where, []).append(
+                {"apply": write, "next": recall_next, "embeddings": kwargs.get("embeddings", False)}
+            )
 
     def dump(self) -> bytes:
         return orjson.dumps(
@@ -116,6 +125,7 @@ def _write(raw: dict[str, Any], operation_id: uuid.UUID) -> store.PassWrite:
                 o["text"],
                 tuple(uuid.UUID(i) for i in o["memory_ids"]),
                 o["create"],
+                o.get("embedding"),
             )
             for o in raw["observations"]
         ),
@@ -133,7 +143,13 @@ def _write(raw: dict[str, Any], operation_id: uuid.UUID) -> store.PassWrite:
 def _recall_request(raw: dict[str, Any] | None) -> store.RecallRequest | None:
     if raw is None:
         return None
-    return store.RecallRequest(tuple(raw["scope"]), tuple(raw["fact_texts"]), raw["limit"])
+    vectors = raw.get("fact_vectors")
+    return store.RecallRequest(
+        tuple(raw["scope"]),
+        tuple(raw["fact_texts"]),
+        raw["limit"],
+        None if vectors is None else tuple(vectors),
+    )
 
 
 async def replay(database_url: str, recording: bytes, group_parallelism: int) -> dict[str, Any]:
@@ -193,11 +209,22 @@ async def _group(
             if "recall" in call:
                 r = call["recall"]
                 await store.recall(
-                    pool, lease.bank_id, tuple(r["scope"]), r["fact_texts"], r["limit"]
+                    pool,
+                    lease.bank_id,
+                    tuple(r["scope"]),
+                    r["fact_texts"],
+                    r["limit"],
+                    r["fact_vectors"],
                 )
             else:
                 write = _write(call["apply"], lease.operation_id)
-                await store.apply_pass(pool, lease, write, _recall_request(call["next"]))
+                await store.apply_pass(
+                    pool,
+                    lease,
+                    write,
+                    _recall_request(call["next"]),
+                    embeddings=call["embeddings"],
+                )
 
 
 async def _markers(
