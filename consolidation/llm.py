@@ -169,11 +169,14 @@ class HTTPConsolidator:
         400/422, LLMConfigError for 401/403/404 or a refused response_format. Cancelling the
         caller aborts the HTTP request.
         """
-        answer = await self._endpoint.call(
-            lambda budget, retries: self._attempt(chat, retries, budget)
-        )
-        LLM_TOKENS.labels(kind="prompt").inc(answer.prompt_tokens)
-        LLM_TOKENS.labels(kind="completion").inc(answer.completion_tokens)
+        try:
+            answer = await self._endpoint.call(
+                lambda budget, retries: self._attempt(chat, retries, budget)
+            )
+        except InvalidLLMOutput as exc:
+            _count_tokens(exc.prompt_tokens, exc.completion_tokens)
+            raise
+        _count_tokens(answer.prompt_tokens, answer.completion_tokens)
         return answer
 
     async def _attempt(self, chat: prompts.Chat, retries: int, budget: Budget) -> LLMAnswer:
@@ -295,6 +298,11 @@ class HTTPConsolidator:
         content = message.get("content")
         # reasoning_content (vLLM, llama.cpp, DeepSeek) is the model's thinking: never the answer.
         content = _THINK_BLOCK.sub("", content, count=1) if isinstance(content, str) else ""
+        usage = data.get("usage")
+        usage = usage if isinstance(usage, dict) else {}
+        # Spent even when the answer is unusable (a cut-off answer can be thousands of tokens).
+        prompt_tokens = _token_count(usage.get("prompt_tokens"))
+        completion_tokens = _token_count(usage.get("completion_tokens"))
         if finish_reason == "length":
             capped = (
                 f", capped by CONSOLIDATION_LLM_MAX_TOKENS={self._max_tokens}"
@@ -311,22 +319,29 @@ class HTTPConsolidator:
                     "complete; write a shorter answer"
                 ],
                 truncated=True,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
             )
         if not content.strip():
             refusal = message.get("refusal")
             said = f", refusal {excerpt(refusal)!r}" if isinstance(refusal, str) else ""
             raise InvalidLLMOutput(
-                f"LLM answer has empty content (finish_reason {finish_reason!r}{said})"
+                f"LLM answer has empty content (finish_reason {finish_reason!r}{said})",
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
             )
-        usage = data.get("usage")
-        usage = usage if isinstance(usage, dict) else {}
         return LLMAnswer(
             content=content,
-            prompt_tokens=_token_count(usage.get("prompt_tokens")),
-            completion_tokens=_token_count(usage.get("completion_tokens")),
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
             finish_reason=finish_reason,
             retries=retries,
         )
+
+
+def _count_tokens(prompt: int, completion: int) -> None:
+    LLM_TOKENS.labels(kind="prompt").inc(prompt)
+    LLM_TOKENS.labels(kind="completion").inc(completion)
 
 
 def estimate_tokens(text: str) -> int:
