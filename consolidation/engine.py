@@ -695,6 +695,10 @@ class OperationRun:
             # The stored result must say the pass was retried, not only that it failed.
             perf.llm_retries += exc.attempts - 1
             raise
+        except InvalidLLMOutput as exc:
+            perf.prompt_tokens += exc.prompt_tokens
+            perf.completion_tokens += exc.completion_tokens
+            raise
         finally:
             perf.llm_s += time.monotonic() - started
         perf.llm_retries += answer.retries

@@ -39,7 +39,8 @@ class InvalidLLMOutput(LLMError):
 
     ``answer`` is the assistant content when there was one, ``problems`` what is wrong with it
     (short sentences) and ``truncated`` whether ``max_tokens`` cut it off: the retry sends them
-    back to the model so it can correct itself.
+    back to the model so it can correct itself. ``prompt_tokens`` / ``completion_tokens`` are what
+    the server reported it spent on the unusable answer (0 when unknown).
     """
 
     def __init__(
@@ -49,11 +50,15 @@ class InvalidLLMOutput(LLMError):
         answer: str | None = None,
         problems: Sequence[str] = (),
         truncated: bool = False,
+        prompt_tokens: int = 0,
+        completion_tokens: int = 0,
     ) -> None:
         super().__init__(message)
         self.answer = answer
         self.problems = tuple(problems)
         self.truncated = truncated
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = completion_tokens
 
 
 class LLMConfigError(LLMError):

@@ -17,7 +17,9 @@ Real servers differ (``FakeLLMConfig``, also ``consolidation fake-llm`` flags): 
 ``openai`` accepts every ``response_format``; ``llama-cpp-python`` refuses ``json_schema`` with a
 500 carrying a pydantic ``literal_error`` and honours ``{"type": "json_object", "schema": …}``;
 ``no-schema`` refuses ``json_schema`` with a 400 and ignores a schema sent with ``json_object``;
-``json-object-only`` also refuses that schema (400). ``max_tokens`` is honoured (the answer is
+``json-object-only`` also refuses that schema (400); ``openai-reasoning`` (OpenAI's o-series
+and gpt-5) refuses ``max_tokens`` with OpenAI's 400 ``unsupported_parameter`` and takes
+``max_completion_tokens`` instead. ``max_tokens`` is honoured (the answer is
 cut, ``finish_reason: "length"``) unless ``honour_max_tokens`` is off; tokens are characters / 4
 and ``pad_bytes`` whitespace is free (it models a big body, not a long generation). ``think``
 puts a ``<think>…</think>`` block before the answer, ``reasoning_content`` adds that field beside
@@ -84,7 +86,7 @@ EMPTY_MARKER = "[[empty]]"
 ANSWER_MARKER = "[[answer]]"
 REPAIRABLE_MARKER = "[[repairable]]"
 
-DIALECTS = ("openai", "llama-cpp-python", "no-schema", "json-object-only")
+DIALECTS = ("openai", "llama-cpp-python", "no-schema", "json-object-only", "openai-reasoning")
 ENVELOPES = ("completion", "html", "no-choices")
 
 _CHAT_PATHS = ("/chat/completions", "/v1/chat/completions")
@@ -139,6 +141,8 @@ class _Parsed:
     problem: str | None
     schema: bool = False
     max_tokens: int | None = None
+    # Which field carried the bound: max_tokens, max_completion_tokens or None.
+    token_field: str | None = None
     messages: tuple[tuple[str, str], ...] = ()
     # Whether the first user message carries instructions before the §3 object.
     instructed_user: bool = False
@@ -202,6 +206,20 @@ _LLAMA_CPP_PYTHON_REFUSAL = (
 )
 
 
+# What OpenAI answers a reasoning model (o-series, gpt-5) sent max_tokens.
+_OPENAI_MAX_TOKENS_REFUSAL = orjson.dumps(
+    {
+        "error": {
+            "message": "Unsupported parameter: 'max_tokens' is not supported with this model. "
+            "Use 'max_completion_tokens' instead.",
+            "type": "invalid_request_error",
+            "param": "max_tokens",
+            "code": "unsupported_parameter",
+        }
+    }
+).decode()
+
+
 def _parse(body: bytes) -> _Parsed:
     """Read the request leniently; ``problem`` says why it cannot be answered (→ 400)."""
     model = "fake"
@@ -209,6 +227,7 @@ def _parse(body: bytes) -> _Parsed:
     response_format: str | None = None
     schema = False
     max_tokens: int | None = None
+    token_field: str | None = None
     try:
         request = orjson.loads(body)
     except orjson.JSONDecodeError:
@@ -224,8 +243,11 @@ def _parse(body: bytes) -> _Parsed:
         schema = isinstance(fmt.get("schema"), dict) or (
             isinstance(inner, dict) and isinstance(inner.get("schema"), dict)
         )
-    if isinstance(request.get("max_tokens"), int) and not isinstance(request["max_tokens"], bool):
-        max_tokens = request["max_tokens"]
+    for field in ("max_tokens", "max_completion_tokens"):
+        value = request.get(field)
+        if isinstance(value, int) and not isinstance(value, bool):
+            max_tokens, token_field = value, field
+            break
     messages: list[tuple[str, str]] = []
     raw_messages = request.get("messages")
     for message in raw_messages if isinstance(raw_messages, list) else []:
@@ -239,6 +261,7 @@ def _parse(body: bytes) -> _Parsed:
         response_format=response_format,
         schema=schema,
         max_tokens=max_tokens,
+        token_field=token_field,
         messages=tuple(messages),
     )
     if user_content is None:
@@ -273,7 +296,9 @@ def _is_json_object(content: str) -> bool:
 
 
 def _refusal(dialect: str, parsed: _Parsed) -> _Plan | None:
-    """How ``dialect`` refuses the request's response_format, if it does."""
+    """How ``dialect`` refuses the request's response_format or token bound, if it does."""
+    if dialect == "openai-reasoning" and parsed.token_field == "max_tokens":
+        return _Plan(status=400, body=_OPENAI_MAX_TOKENS_REFUSAL)
     if parsed.response_format == "json_schema":
         if dialect == "llama-cpp-python":
             return _Plan(
@@ -676,6 +701,7 @@ class _FakeLLM:
                 "response_format": parsed.response_format,
                 "schema": parsed.schema,
                 "max_tokens": parsed.max_tokens,
+                "token_field": parsed.token_field,
                 "roles": [role for role, _ in parsed.messages],
                 "instructed": parsed.instructed_user,
                 "turns": list(parsed.turns),

@@ -91,6 +91,10 @@ class _FormatRefused(Resend):
     """The server refused the response_format form sent; resend with the next one."""
 
 
+class _TokenFieldRefused(Resend):
+    """The server wants ``max_completion_tokens`` instead of ``max_tokens``; resend with it."""
+
+
 _ROUTE = Route(
     path="chat/completions",
     label="LLM",
@@ -150,6 +154,8 @@ class HTTPConsolidator:
         self._form_settled = not self._auto
         self._form_probe: asyncio.Future[bool] | None = None
         self._refusals: list[dict[str, Any]] = []
+        # OpenAI's reasoning models (o-series, gpt-5) refuse max_tokens for max_completion_tokens.
+        self._token_field = "max_tokens"
 
     @property
     def response_format_mode(self) -> str:
@@ -169,11 +175,14 @@ class HTTPConsolidator:
         400/422, LLMConfigError for 401/403/404 or a refused response_format. Cancelling the
         caller aborts the HTTP request.
         """
-        answer = await self._endpoint.call(
-            lambda budget, retries: self._attempt(chat, retries, budget)
-        )
-        LLM_TOKENS.labels(kind="prompt").inc(answer.prompt_tokens)
-        LLM_TOKENS.labels(kind="completion").inc(answer.completion_tokens)
+        try:
+            answer = await self._endpoint.call(
+                lambda budget, retries: self._attempt(chat, retries, budget)
+            )
+        except InvalidLLMOutput as exc:
+            _count_tokens(exc.prompt_tokens, exc.completion_tokens)
+            raise
+        _count_tokens(answer.prompt_tokens, answer.completion_tokens)
         return answer
 
     async def _attempt(self, chat: prompts.Chat, retries: int, budget: Budget) -> LLMAnswer:
@@ -201,16 +210,19 @@ class HTTPConsolidator:
 
     async def _send(self, chat: prompts.Chat, form: str, retries: int, budget: Budget) -> LLMAnswer:
         max_tokens = min(chat.max_tokens, self._max_tokens)
+        token_field = self._token_field
         body = orjson.dumps(
             {
                 "model": self._model,
                 "temperature": 0,
-                "max_tokens": max_tokens,
+                token_field: max_tokens,
                 "messages": chat.messages(self._system_role),
                 "response_format": prompts.response_format(form, chat.schema),
             }
         )
         reply = await self._endpoint.post(body, budget)
+        if reply.status == 400 and token_field == "max_tokens":
+            self._check_token_field(reply.text)
         return self._interpret(reply, form, retries, max_tokens, chat.max_tokens)
 
     def _interpret(
@@ -255,6 +267,26 @@ class HTTPConsolidator:
             self._refusals.append({"response_format": form, "status": status, "detail": detail})
         raise _FormatRefused
 
+    def _check_token_field(self, text: str) -> None:
+        """A 400 to a request sent with ``max_tokens``: if it asks for ``max_completion_tokens``
+        instead, that is the endpoint's dialect, never the memories' fault: switch (once, for
+        the life of the process) and resend."""
+        if "max_completion_tokens" not in text:
+            return
+        if self._token_field == "max_completion_tokens":
+            raise _TokenFieldRefused  # a pass that was in flight when another one switched
+        self._token_field = "max_completion_tokens"
+        log.warning(
+            "llm_max_tokens_field",
+            url=self._url,
+            model=self._model,
+            field="max_completion_tokens",
+            detail=excerpt(text),
+            hint="the server refuses max_tokens (OpenAI's reasoning models); the bound is sent "
+            "as max_completion_tokens from now on",
+        )
+        raise _TokenFieldRefused
+
     def _accepted(self, form: str) -> None:
         """The endpoint answered a request sent with ``form``: keep it, say so once."""
         if self._form_settled or form != self._form:
@@ -295,6 +327,11 @@ class HTTPConsolidator:
         content = message.get("content")
         # reasoning_content (vLLM, llama.cpp, DeepSeek) is the model's thinking: never the answer.
         content = _THINK_BLOCK.sub("", content, count=1) if isinstance(content, str) else ""
+        usage = data.get("usage")
+        usage = usage if isinstance(usage, dict) else {}
+        # Spent even when the answer is unusable (a cut-off answer can be thousands of tokens).
+        prompt_tokens = _token_count(usage.get("prompt_tokens"))
+        completion_tokens = _token_count(usage.get("completion_tokens"))
         if finish_reason == "length":
             capped = (
                 f", capped by CONSOLIDATION_LLM_MAX_TOKENS={self._max_tokens}"
@@ -311,22 +348,29 @@ class HTTPConsolidator:
                     "complete; write a shorter answer"
                 ],
                 truncated=True,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
             )
         if not content.strip():
             refusal = message.get("refusal")
             said = f", refusal {excerpt(refusal)!r}" if isinstance(refusal, str) else ""
             raise InvalidLLMOutput(
-                f"LLM answer has empty content (finish_reason {finish_reason!r}{said})"
+                f"LLM answer has empty content (finish_reason {finish_reason!r}{said})",
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
             )
-        usage = data.get("usage")
-        usage = usage if isinstance(usage, dict) else {}
         return LLMAnswer(
             content=content,
-            prompt_tokens=_token_count(usage.get("prompt_tokens")),
-            completion_tokens=_token_count(usage.get("completion_tokens")),
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
             finish_reason=finish_reason,
             retries=retries,
         )
+
+
+def _count_tokens(prompt: int, completion: int) -> None:
+    LLM_TOKENS.labels(kind="prompt").inc(prompt)
+    LLM_TOKENS.labels(kind="completion").inc(completion)
 
 
 def estimate_tokens(text: str) -> int:

@@ -15,6 +15,7 @@ from typing import Any
 import asyncpg
 import orjson
 import pytest
+import structlog.testing
 from prometheus_client import REGISTRY
 from structlog.testing import capture_logs
 
@@ -461,6 +462,28 @@ async def test_a_llama_cpp_python_endpoint_is_probed_once_and_consolidates_with_
     assert {(c["response_format"], c["schema"]) for c in calls if c["status"] == 200} == {
         ("json_object", True)
     }
+    assert await markers(pool, "b") == {"consolidated": 40, "failed": 0, "pending": 0}
+    await assert_consistent(pool)
+
+
+async def test_an_openai_reasoning_model_refusing_max_tokens_gets_max_completion_tokens(
+    pool: asyncpg.Pool,
+) -> None:
+    # OpenAI's o-series and gpt-5 answer max_tokens with a 400 naming max_completion_tokens: the
+    # endpoint's dialect, not the memories' fault; nothing is split or marked failed.
+    await ingest(pool, "b", bank_of(10, 4))
+    with FakeLLMServer(FakeLLMConfig(dialect="openai-reasoning", latency_ms=20)) as fake:
+        llm = build_consolidator(load_settings(llm_base_url=fake.url))
+        with structlog.testing.capture_logs() as logs:
+            end = await consolidate_then_close(pool, llm, Settings(group_parallelism=8))
+        calls = fake.stats()["calls"]
+    assert end.status == "completed", end.error
+    assert end.summary.failed == 0 and end.summary.perf.splits == 0
+    assert end.summary.perf.llm_failures == 0
+    refused = [c for c in calls if c["status"] == 400]
+    assert refused and {c["token_field"] for c in refused} == {"max_tokens"}
+    assert {c["token_field"] for c in calls if c["status"] == 200} == {"max_completion_tokens"}
+    assert len([e for e in logs if e["event"] == "llm_max_tokens_field"]) == 1
     assert await markers(pool, "b") == {"consolidated": 40, "failed": 0, "pending": 0}
     await assert_consistent(pool)
 

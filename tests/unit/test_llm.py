@@ -207,6 +207,8 @@ async def test_finish_reason_length_is_invalid_output_carrying_the_cut_answer(
     with pytest.raises(InvalidLLMOutput, match="cut off by max_tokens=1280") as caught:
         await make_client(fake.url).complete(chat("a fact"))
     assert caught.value.truncated and caught.value.answer == '{"creates": ['
+    # The tokens the cut answer cost are reported with it (PerfLog and metrics count them).
+    assert caught.value.prompt_tokens > 0 and caught.value.completion_tokens > 0
     assert fake.stats()["requests"] == 1
 
 
