@@ -242,7 +242,7 @@ class OperationRun:
         self._abort = False
         self._slots = asyncio.Semaphore(settings.group_parallelism)
         self._ready_groups = 0  # queued groups that wait only for a slot
-        self._slot_taken = asyncio.Event()
+        self._slots_changed = asyncio.Event()
         self._last_writer: dict[Scope, asyncio.Task[None]] = {}
         self._waves_launched = 0
         self._closing = asyncio.Lock()
@@ -287,14 +287,15 @@ class OperationRun:
                 if in_flight[0].done():
                     in_flight.popleft().result()  # the wave's error, if any, ends the run
                     continue
-                # Until the oldest wave is done, or a queued group took a slot (time to queue
-                # the next wave's groups behind the others).
-                self._slot_taken.clear()
-                slot_taken = asyncio.ensure_future(self._slot_taken.wait())
+                # Until the oldest wave is done, or a slot was taken or freed: time to look
+                # whether the next wave's groups should be queued behind the others (a freed slot
+                # nobody takes, the queued groups waiting on earlier ones of their scopes, idles).
+                self._slots_changed.clear()
+                changed = asyncio.ensure_future(self._slots_changed.wait())
                 try:
-                    await asyncio.wait({in_flight[0], slot_taken}, return_when=FIRST_COMPLETED)
+                    await asyncio.wait({in_flight[0], changed}, return_when=FIRST_COMPLETED)
                 finally:
-                    slot_taken.cancel()
+                    changed.cancel()
         except asyncio.CancelledError:
             for task in in_flight:
                 task.cancel()
@@ -379,10 +380,11 @@ class OperationRun:
         finally:
             self._ready_groups -= 1
         try:
-            self._slot_taken.set()
+            self._slots_changed.set()
             await self._run_group(index, group, reports, facts)
         finally:
             self._slots.release()
+            self._slots_changed.set()
 
     async def _run_wave(
         self,
