@@ -217,13 +217,28 @@ class FakeLLM:
         response = httpx.get(self._admin_url("/_stats"), timeout=30)
         response.raise_for_status()
         data: dict[str, Any] = response.json()
+        calls = [c for c in data.pop("calls", []) if c["ended"] is not None]
         # Time the fake spent on each call (its latency plus its own processing), as it saw it.
-        served = sorted(
-            c["ended"] - c["started"] for c in data.pop("calls", []) if c["ended"] is not None
-        )
+        served = sorted(c["ended"] - c["started"] for c in calls)
+        data["in_flight_share"] = in_flight_share(calls)
         data["service_ms_mean"] = 1000 * sum(served) / len(served) if served else None
         data["service_ms_p50"] = 1000 * served[len(served) // 2] if served else None
         return data
+
+
+def in_flight_share(calls: list[dict[str, Any]]) -> dict[int, float]:
+    """Share of the time from the first call's start to the last call's end during which
+    ``k`` calls were in flight, for each ``k`` (how busy the engine kept its slots)."""
+    events = sorted([(c["started"], 1) for c in calls] + [(c["ended"], -1) for c in calls])
+    if not events:
+        return {}
+    spent: dict[int, float] = {}
+    in_flight, last = 0, events[0][0]
+    for at, change in events:
+        spent[in_flight] = spent.get(in_flight, 0.0) + at - last
+        in_flight, last = in_flight + change, at
+    total = events[-1][0] - events[0][0]
+    return {k: round(v / total, 4) for k, v in sorted(spent.items())} if total else {}
 
 
 @contextlib.asynccontextmanager

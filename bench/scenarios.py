@@ -192,6 +192,7 @@ def _record(
         "fake_requests": fake_stats["requests"],
         "fake_max_in_flight": fake_stats["max_in_flight"],
         "fake_service_ms_mean": fake_stats["service_ms_mean"],
+        "fake_in_flight_share": fake_stats.get("in_flight_share"),
         "waves": plan["waves"],
         "ideal_per_wave_s": plan["ideal_per_wave_s"],
         "ideal_no_barrier_s": plan["ideal_no_barrier_s"],
