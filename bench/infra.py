@@ -226,7 +226,7 @@ class FakeLLM:
         return data
 
 
-def in_flight_share(calls: list[dict[str, Any]]) -> dict[int, float]:
+def in_flight_share(calls: list[dict[str, Any]]) -> dict[str, float]:
     """Share of the time from the first call's start to the last call's end during which
     ``k`` calls were in flight, for each ``k`` (how busy the engine kept its slots)."""
     events = sorted([(c["started"], 1) for c in calls] + [(c["ended"], -1) for c in calls])
@@ -238,7 +238,7 @@ def in_flight_share(calls: list[dict[str, Any]]) -> dict[int, float]:
         spent[in_flight] = spent.get(in_flight, 0.0) + at - last
         in_flight, last = in_flight + change, at
     total = events[-1][0] - events[0][0]
-    return {k: round(v / total, 4) for k, v in sorted(spent.items())} if total else {}
+    return {str(k): round(v / total, 4) for k, v in sorted(spent.items())} if total else {}
 
 
 @contextlib.asynccontextmanager
