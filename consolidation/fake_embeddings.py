@@ -127,17 +127,22 @@ def _features(text: str) -> list[tuple[str, float]]:
             features.append(("c:" + CONCEPTS[pair], _CONCEPT_WEIGHT))
             skip = True
             continue
-        if word in _STOPWORDS:
-            continue
-        concept = _concept(word)
-        if concept is not None:
-            features.append(("c:" + concept, _CONCEPT_WEIGHT))
-            continue
-        stem = _stem(word)
-        features.append(("w:" + stem, _WORD_WEIGHT))
-        padded = f"#{stem}#"
-        features.extend(("g:" + padded[j : j + 3], _TRIGRAM_WEIGHT) for j in range(len(padded) - 2))
+        features.extend(_word_features(word))
     return features
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _word_features(word: str) -> tuple[tuple[str, float], ...]:
+    """The features of one word outside a two-word concept (words recur: cached)."""
+    if word in _STOPWORDS:
+        return ()
+    concept = _concept(word)
+    if concept is not None:
+        return (("c:" + concept, _CONCEPT_WEIGHT),)
+    stem = _stem(word)
+    padded = f"#{stem}#"
+    trigrams = (("g:" + padded[j : j + 3], _TRIGRAM_WEIGHT) for j in range(len(padded) - 2))
+    return (("w:" + stem, _WORD_WEIGHT), *trigrams)
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -151,13 +156,17 @@ def embed_text(text: str, dimensions: int = DEFAULT_DIMENSIONS) -> list[float]:
     """The unit vector of ``text`` in ``dimensions`` dimensions (deterministic)."""
     if dimensions < 1:
         raise ValueError("dimensions must be at least 1")
-    vector = [0.0] * dimensions
+    # A text touches a few dozen of the dimensions: sum and normalise only those.
+    touched: dict[int, float] = {}
     for feature, weight in _features(text):
         index, sign = _bucket(feature, dimensions)
-        vector[index] += sign * weight
-    norm = math.sqrt(sum(x * x for x in vector))
+        touched[index] = touched.get(index, 0.0) + sign * weight
+    vector = [0.0] * dimensions
+    norm = math.sqrt(sum(x * x for x in touched.values()))
     if norm == 0.0:
         # No content word at all: a fixed direction, so the vector stays a valid unit vector.
         vector[0] = 1.0
         return vector
-    return [x / norm for x in vector]
+    for index, value in touched.items():
+        vector[index] = value / norm
+    return vector
