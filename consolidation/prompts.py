@@ -384,19 +384,6 @@ class PassPlan:
             return "multiple"
         return kinds[0] if kinds else "skipped"
 
-    def citations(self) -> dict[UUID, int]:
-        """How many actions cite each memory (memories cited by none are absent)."""
-        counts: dict[UUID, int] = {}
-        actions: list[CreateAction | UpdateAction | MergeAction] = [
-            *self.creates,
-            *self.updates,
-            *self.merges,
-        ]
-        for action in actions:
-            for memory_id in action.memory_ids:
-                counts[memory_id] = counts.get(memory_id, 0) + 1
-        return counts
-
 
 _TOP_LEVEL_KEYS = ("creates", "updates", "merges")
 _ACTION_KEYS = {

@@ -25,6 +25,7 @@ from consolidation.http import parse_retry_after, retry_delay
 from consolidation.llm import HTTPConsolidator, LLMRetriesExhausted, OfflineConsolidator
 from consolidation.metrics import EventLoopLagMonitor
 from tests.integration.engine_helpers import wait_for
+from tests.unit.test_prompts import citations
 
 SYSTEM = "You consolidate memories."
 
@@ -376,7 +377,7 @@ async def test_offline_consolidator_returns_a_valid_answer() -> None:
     answer = await consolidator.complete(prompts.pass_chat(request))
     await consolidator.aclose()
     plan = prompts.parse_answer(answer.content, request)
-    assert set(plan.citations()) == {fact.memory_id for fact in facts}
+    assert set(citations(plan)) == {fact.memory_id for fact in facts}
     assert answer.finish_reason == "stop"
     assert answer.retries == 0
     assert answer.prompt_tokens > 0

@@ -20,6 +20,7 @@ from consolidation.prompts import (
     build_request,
     parse_answer,
 )
+from tests.unit.test_prompts import citations
 
 WHEN = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -114,7 +115,7 @@ def test_repeated_updates_accumulate_into_one_action() -> None:
     )
     assert len(answer["updates"]) == 1
     assert answer["updates"][0]["facts"] == ["f1", "f2"]
-    assert plan.citations() == {UUID(int=1): 1, UUID(int=2): 1}
+    assert citations(plan) == {UUID(int=1): 1, UUID(int=2): 1}
 
 
 def test_near_identical_observations_and_a_fact_are_merged() -> None:
@@ -187,7 +188,7 @@ def test_contained_fact_without_content_words_is_cited_not_created() -> None:
 def test_blank_fact_is_left_uncited() -> None:
     answer, plan = _run(["   ", "Bob plays chess"], [])
     assert answer["creates"] == [{"text": "Bob plays chess", "facts": ["f2"]}]
-    assert UUID(int=1) not in plan.citations()
+    assert UUID(int=1) not in citations(plan)
 
 
 def test_untouched_observations_are_not_mentioned() -> None:
@@ -229,7 +230,7 @@ def test_answers_always_pass_parse_answer(facts: list[str], observations: list[s
     assert set(answer) == {"creates", "updates", "merges"}
     plan = parse_answer(orjson.dumps(answer), request)
     # Every fact with visible text is cited by exactly one action.
-    cited = plan.citations()
+    cited = citations(plan)
     for i, text in enumerate(facts, 1):
         if text.strip():
             assert cited.get(UUID(int=i)) == 1, (text, answer)

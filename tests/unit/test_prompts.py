@@ -22,6 +22,7 @@ from consolidation.prompts import (
     FactInput,
     MergeAction,
     ObservationInput,
+    PassPlan,
     PassRequest,
     UpdateAction,
     build_request,
@@ -325,20 +326,20 @@ def test_valid_answer_maps_refs_back_to_ids() -> None:
     assert plan.creates == (CreateAction("new", (F1,)),)
     assert plan.updates == (UpdateAction(O3, "upd", (F2, F3)),)
     assert plan.merges == (MergeAction((O2, O1), "merged", ()),)
-    assert plan.citations() == {F1: 1, F2: 1, F3: 1}
+    assert citations(plan) == {F1: 1, F2: 1, F3: 1}
 
 
 @pytest.mark.parametrize("answer", [{}, {"creates": []}, {"updates": [], "merges": []}])
 def test_missing_keys_mean_empty_lists(answer: dict[str, Any]) -> None:
     plan = _parse(answer)
     assert (plan.creates, plan.updates, plan.merges) == ((), (), ())
-    assert plan.citations() == {}
+    assert citations(plan) == {}
 
 
 def test_fact_cited_twice_in_one_action_counts_once() -> None:
     plan = _parse({"creates": [{"text": "x", "facts": ["f1", "f1", "f2"]}]})
     assert plan.creates[0].memory_ids == (F1, F2)
-    assert plan.citations() == {F1: 1, F2: 1}
+    assert citations(plan) == {F1: 1, F2: 1}
 
 
 def test_citations_count_actions_across_sections() -> None:
@@ -348,7 +349,30 @@ def test_citations_count_actions_across_sections() -> None:
             "updates": [{"observation": "o1", "text": "c", "facts": ["f1"]}],
         }
     )
-    assert plan.citations() == {F1: 3, F2: 1}
+    assert citations(plan) == {F1: 3, F2: 1}
+
+
+def test_a_facts_action_is_the_one_action_citing_it_or_multiple_or_skipped() -> None:
+    plan = _parse(
+        {
+            "creates": [{"text": "a", "facts": ["f1"]}],
+            "updates": [{"observation": "o1", "text": "c", "facts": ["f1", "f2"]}],
+        }
+    )
+    assert (plan.action_of(F1), plan.action_of(F2), plan.action_of(F3)) == (
+        "multiple",
+        "updated",
+        "skipped",
+    )
+
+
+def citations(plan: PassPlan) -> dict[UUID, int]:
+    """How many actions cite each memory (memories cited by none are absent)."""
+    counts: dict[UUID, int] = {}
+    for action in (*plan.creates, *plan.updates, *plan.merges):
+        for memory_id in action.memory_ids:
+            counts[memory_id] = counts.get(memory_id, 0) + 1
+    return counts
 
 
 def test_text_is_stripped_and_may_be_exactly_the_limit() -> None:
