@@ -1,0 +1,118 @@
+"""Slots for the groups of an operation's pipelined waves, the longest critical path first.
+
+A group is queued with the earlier groups that write one of its scopes (it waits for them), its
+planned LLM calls, its wave and its place in the wave's plan. A freed slot goes to the *ready*
+waiting group (every earlier writer done) whose remaining critical path is the longest: its own
+calls plus the longest path among the queued groups that wait on it, transitively. So a scope's
+chain that continues into later waves is not left to run alone at the end behind short groups
+that could have filled the slots meanwhile. Ties go to the older wave, then to the wave's own
+(longest chain first) order. Paths grow as later waves are queued, so they are computed when a
+slot is granted, over the groups still queued (a few hundred at most).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class Claim:
+    """One group's place in the queue for a slot."""
+
+    calls: int  # planned LLM calls of the group
+    wave: int
+    position: int  # in the wave's plan
+    # The earlier writers of its scopes not done yet, and the queued claims waiting on it.
+    after: set[Claim] = field(default_factory=set, repr=False)
+    later: list[Claim] = field(default_factory=list, repr=False)
+    granted: asyncio.Future[None] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future(), repr=False
+    )
+    holds: bool = False  # a slot is this claim's
+    done: bool = False
+
+
+class SlotAllocator:
+    """``slots`` slots for claims queued in order; see the module's docstring for who gets one.
+
+    A claim waits in :meth:`acquire` and must be ended with :meth:`finish` (whether it ran,
+    failed, or was cancelled before it ever started): that frees its slot, if it holds one, and
+    lets the claims queued behind it become ready.
+    """
+
+    def __init__(self, slots: int) -> None:
+        if slots < 1:
+            raise ValueError("at least one slot is needed")
+        self.free = slots
+        self._waiting: list[Claim] = []  # queued, not granted, not done
+
+    def queue(self, calls: int, wave: int, position: int, after: Iterable[Claim] = ()) -> Claim:
+        """Queue a group behind ``after`` (those already done are ignored); it is granted a slot
+        at once when one is free and it is ready."""
+        claim = Claim(calls, wave, position)
+        claim.after = {earlier for earlier in after if not earlier.done}
+        for earlier in claim.after:
+            earlier.later.append(claim)
+        self._waiting.append(claim)
+        self._grant()
+        return claim
+
+    async def acquire(self, claim: Claim) -> None:
+        """Wait until ``claim`` holds a slot. Cancelled, it gives back a slot granted meanwhile,
+        and nothing else."""
+        try:
+            await claim.granted
+        except asyncio.CancelledError:
+            if claim.holds:  # granted, but the waiter was cancelled before it woke up
+                self._release(claim)
+            elif claim in self._waiting:
+                self._waiting.remove(claim)
+            raise
+
+    def finish(self, claim: Claim) -> None:
+        """``claim``'s group is over: free its slot, if it holds one, and let the groups that
+        waited on it become ready. Idempotent."""
+        if claim.done:
+            return
+        claim.done = True
+        if claim in self._waiting:
+            self._waiting.remove(claim)
+        if not claim.granted.done():
+            claim.granted.cancel()
+        for waiting in claim.later:
+            waiting.after.discard(claim)
+        claim.later.clear()
+        if claim.holds:
+            self._release(claim)
+        else:
+            self._grant()
+
+    def _release(self, claim: Claim) -> None:
+        claim.holds = False
+        self.free += 1
+        self._grant()
+
+    def _grant(self) -> None:
+        while self.free > 0:
+            # A claim whose waiter was just cancelled leaves the list when that waiter wakes.
+            ready = [c for c in self._waiting if not c.after and not c.granted.done()]
+            if not ready:
+                return
+            paths: dict[int, int] = {}
+            best = min(ready, key=lambda c: (-_path(c, paths), c.wave, c.position))
+            self._waiting.remove(best)
+            best.holds = True
+            self.free -= 1
+            best.granted.set_result(None)
+
+
+def _path(claim: Claim, paths: dict[int, int]) -> int:
+    """``claim``'s calls plus the longest path among the claims waiting on it (memoised)."""
+    key = id(claim)
+    if key not in paths:
+        paths[key] = claim.calls + max(
+            (_path(later, paths) for later in claim.later if not later.done), default=0
+        )
+    return paths[key]

@@ -1,0 +1,123 @@
+"""The slot allocator: who gets a freed slot, and what a cancelled waiter gives back."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from consolidation.slots import Claim, SlotAllocator
+
+
+async def settle() -> None:
+    """Let every task that can run, run (the allocator wakes waiters through futures)."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def granted(*claims: Claim) -> list[bool]:
+    return [c.holds for c in claims]
+
+
+async def test_a_free_slot_is_granted_at_once_and_a_group_waits_for_its_earlier_writer() -> None:
+    slots = SlotAllocator(2)
+    first = slots.queue(calls=3, wave=1, position=0)
+    second = slots.queue(calls=1, wave=2, position=0, after=[first])
+    assert granted(first, second) == [True, False]  # a slot is free, but "second" is not ready
+    assert slots.free == 1
+    slots.finish(first)
+    assert granted(first, second) == [False, True]
+    await slots.acquire(second)
+
+
+async def test_a_freed_slot_goes_to_the_longest_critical_path_then_the_older_wave() -> None:
+    slots = SlotAllocator(1)
+    head = slots.queue(calls=2, wave=1, position=0)  # takes the only slot
+    short = slots.queue(calls=1, wave=1, position=1)
+    other = slots.queue(calls=2, wave=1, position=2)
+    # Ready once "head" is done: 1 call, but more wait on it in the waves fetched ahead.
+    chain = slots.queue(calls=1, wave=2, position=3, after=[head])
+    late_short = slots.queue(calls=1, wave=2, position=0)
+    branch = slots.queue(calls=2, wave=3, position=0, after=[chain])
+    longer_branch = slots.queue(calls=3, wave=4, position=0, after=[chain])
+    claims = [short, other, chain, late_short, branch, longer_branch]
+    order = []
+    current = head
+    while True:
+        slots.finish(current)
+        holding = [c for c in claims if c.holds]
+        if not holding:
+            break
+        (current,) = holding
+        order.append(current)
+    # chain: 1 + 3 (the longer branch counts); then the branch of 3; then the two paths of 2,
+    # the older wave first; then the two of 1, the older wave first.
+    assert order == [chain, longer_branch, other, branch, short, late_short]
+    assert slots.free == 1
+
+
+async def test_ties_keep_the_waves_own_order() -> None:
+    slots = SlotAllocator(1)
+    head = slots.queue(calls=1, wave=1, position=0)
+    b = slots.queue(calls=1, wave=2, position=1)
+    a = slots.queue(calls=1, wave=2, position=0)
+    slots.finish(head)
+    assert granted(a, b) == [True, False]
+
+
+async def test_paths_grow_as_later_waves_are_queued() -> None:
+    slots = SlotAllocator(1)
+    head = slots.queue(calls=1, wave=1, position=0)
+    longer = slots.queue(calls=2, wave=1, position=1)
+    grows = slots.queue(calls=1, wave=1, position=2)
+    slots.queue(calls=5, wave=2, position=0, after=[grows])  # queued after both
+    slots.finish(head)
+    assert granted(longer, grows) == [False, True]
+
+
+async def test_a_cancelled_waiter_takes_nothing_and_gives_back_nothing_it_did_not_take() -> None:
+    slots = SlotAllocator(1)
+    running = slots.queue(calls=1, wave=1, position=0)
+    waiting = slots.queue(calls=1, wave=1, position=1)
+    behind = slots.queue(calls=1, wave=2, position=0, after=[waiting])
+    task = asyncio.create_task(slots.acquire(waiting))
+    await settle()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert slots.free == 0 and running.holds  # the running group keeps its slot
+    slots.finish(waiting)  # its group is over without ever running
+    assert slots.free == 0 and behind.holds is False  # "running" still holds the one slot
+    slots.finish(running)
+    assert behind.holds and slots.free == 0
+    slots.finish(behind)
+    assert slots.free == 1
+
+
+async def test_a_waiter_cancelled_after_its_grant_gives_the_slot_back_once() -> None:
+    slots = SlotAllocator(1)
+    running = slots.queue(calls=1, wave=1, position=0)
+    waiting = slots.queue(calls=1, wave=1, position=1)
+    after = slots.queue(calls=1, wave=1, position=2)
+    task = asyncio.create_task(slots.acquire(waiting))
+    await settle()
+    slots.finish(running)  # grants "waiting"; its waiter has not woken up yet
+    assert waiting.holds
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert after.holds and slots.free == 0  # the slot went on to the next group
+    slots.finish(waiting)
+    slots.finish(waiting)
+    assert slots.free == 0  # finishing "waiting" (twice) frees nothing it no longer holds
+    slots.finish(after)
+    assert slots.free == 1
+
+
+async def test_a_group_cancelled_before_it_asked_frees_its_granted_slot_when_finished() -> None:
+    slots = SlotAllocator(1)
+    claim = slots.queue(calls=1, wave=1, position=0)
+    other = slots.queue(calls=1, wave=1, position=1)
+    assert claim.holds
+    slots.finish(claim)
+    assert other.holds and slots.free == 0
