@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
+import itertools
 import time
 import uuid
-from asyncio import FIRST_COMPLETED
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -29,7 +30,7 @@ from consolidation.errors import (
 )
 from consolidation.llm import Consolidator, LLMRetriesExhausted
 from consolidation.perf import PerfLog
-from consolidation.plan import GroupPlan, Pass, plan_wave
+from consolidation.plan import GroupPlan, Pass, plan_wave, planned_passes
 from consolidation.prompts import (
     Chat,
     FactInput,
@@ -44,13 +45,15 @@ from consolidation.prompts import (
 from consolidation.queue import Lease
 from consolidation.scopes import Scope
 from consolidation.settings import Settings
+from consolidation.slots import Claim, SlotAllocator
 
 if TYPE_CHECKING:
     from consolidation.forget import ForgetRun
 
 log = structlog.get_logger(__name__)
 
-# Waves queued at once (each holds its memories); more are fetched only while slots would idle.
+# Waves fetched and queued ahead (each holds its memories): a scope's chain that continues into
+# them is seen, and its next group is ready, when its current one ends.
 MAX_WAVES_IN_FLIGHT = 4
 
 # A failure reason is stored with the memory and shown to operators: the cause, not an essay.
@@ -240,10 +243,8 @@ class OperationRun:
         self.summary = RunSummary.resumed(lease.resumed)
         self.mission = settings.mission
         self._abort = False
-        self._slots = asyncio.Semaphore(settings.group_parallelism)
-        self._ready_groups = 0  # queued groups that wait only for a slot
-        self._slots_changed = asyncio.Event()
-        self._last_writer: dict[Scope, asyncio.Task[None]] = {}
+        self._slots = SlotAllocator(settings.group_parallelism)
+        self._last_writer: dict[Scope, Claim] = {}
         self._waves_launched = 0
         self._closing = asyncio.Lock()
         self.log = log.bind(operation_id=str(lease.operation_id), bank_id=lease.bank_id)
@@ -251,12 +252,14 @@ class OperationRun:
     async def run(self) -> RunSummary:
         """Consolidate every pending memory of the bank (within the scope filter).
 
-        Waves are pipelined: the next wave is fetched and its groups queued while the current
-        one runs, so a slot freed near a wave's end is taken by the next wave's group at once
+        Waves are pipelined: up to MAX_WAVES_IN_FLIGHT waves are fetched ahead and their groups
+        queued, so a slot freed near a wave's end is taken by a later wave's group at once
         instead of idling until the wave's slowest group is done. A group never starts before
         the earlier groups that write one of its scopes have finished (a scope's memories are
-        applied in consolidation order, across waves); each wave still gathers its own groups
-        and commits its own markers (:meth:`_run_wave`).
+        applied in consolidation order, across waves); among the ready groups, a freed slot goes
+        to the one with the longest critical path through the queued waves
+        (:class:`consolidation.slots.SlotAllocator`). Each wave still gathers its own groups and
+        commits its own markers (:meth:`_run_wave`); the next wave is fetched when one closes.
         """
         self.mission = await store.bank_mission(self.pool, self.lease.bank_id) or self.mission
         self.summary.total = self.summary.processed + await store.count_pending(
@@ -284,18 +287,8 @@ class OperationRun:
                     in_flight.append(self._launch_wave(wave))
                 if not in_flight:
                     return self.summary
-                if in_flight[0].done():
-                    in_flight.popleft().result()  # the wave's error, if any, ends the run
-                    continue
-                # Until the oldest wave is done, or a slot was taken or freed: time to look
-                # whether the next wave's groups should be queued behind the others (a freed slot
-                # nobody takes, the queued groups waiting on earlier ones of their scopes, idles).
-                self._slots_changed.clear()
-                changed = asyncio.ensure_future(self._slots_changed.wait())
-                try:
-                    await asyncio.wait({in_flight[0], changed}, return_when=FIRST_COMPLETED)
-                finally:
-                    changed.cancel()
+                await asyncio.wait({in_flight[0]})
+                in_flight.popleft().result()  # the wave's error, if any, ends the run
         except asyncio.CancelledError:
             for task in in_flight:
                 task.cancel()
@@ -312,22 +305,17 @@ class OperationRun:
                         task.cancel()
 
     def _wants_another_wave(self, waves_in_flight: int) -> bool:
-        """Fetch the next wave while fewer groups are ready to start than there are slots (a
-        slot would otherwise idle), up to MAX_WAVES_IN_FLIGHT waves."""
+        """Keep MAX_WAVES_IN_FLIGHT waves fetched and queued: the slot allocator can only favour
+        a chain's next group if that group's wave is known."""
         if self._abort:
             return False  # a group failed for good: the waves in flight end, then its error
-        if waves_in_flight == 0:
-            return True
-        return (
-            waves_in_flight < MAX_WAVES_IN_FLIGHT
-            and self._ready_groups < self.settings.group_parallelism
-        )
+        return waves_in_flight < MAX_WAVES_IN_FLIGHT
 
     # --- waves ----------------------------------------------------------------------------
 
     def _launch_wave(self, wave: Sequence[store.WaveMemory]) -> asyncio.Task[None]:
-        """Plan a wave and queue its groups, each behind the earlier groups that write one of
-        its scopes; returns the wave's task (it ends once its markers are committed)."""
+        """Plan a wave and queue its groups for slots, each behind the earlier groups that write
+        one of its scopes; returns the wave's task (it ends once its markers are committed)."""
         wanted = None if self.lease.scope_filter is None else set(self.lease.scope_filter)
         states = [
             _MemoryState(
@@ -344,47 +332,44 @@ class OperationRun:
         groups = plan_wave(states, self.settings.llm_batch_size, _MemoryState.remaining)
         reports: list[list[_BatchReport]] = [[] for _ in groups]
         tasks = []
+        batch_size = self.settings.llm_batch_size
         for index, group in enumerate(groups):
             scopes = {s for m in group for s in m.todo}
-            before = {
-                self._last_writer[s]
-                for s in scopes
-                if s in self._last_writer and not self._last_writer[s].done()
-            }
-            if not before:
-                self._ready_groups += 1
+            claim = self._slots.queue(
+                calls=sum(1 for _ in planned_passes(group, batch_size, _MemoryState.remaining)),
+                wave=number,
+                position=index,
+                after=[self._last_writer[s] for s in scopes if s in self._last_writer],
+            )
             task = asyncio.create_task(
-                self._queue_group(index, group, reports[index], before, facts),
+                self._queue_group(index, group, reports[index], claim, facts),
                 name=f"wave-{number}-group-{index}",
             )
+            # Whatever becomes of the task — even cancelled before it ever ran — its slot, if
+            # it took one, is freed and the groups behind it in its scopes may go.
+            task.add_done_callback(functools.partial(self._group_ended, claim))
             for scope in scopes:
-                self._last_writer[scope] = task
+                self._last_writer[scope] = claim
             tasks.append(task)
         return asyncio.create_task(
             self._run_wave(number, states, reports, tasks), name=f"wave-{number}"
         )
+
+    def _group_ended(self, claim: Claim, _: asyncio.Task[None]) -> None:
+        self._slots.finish(claim)
 
     async def _queue_group(
         self,
         index: int,
         group: Sequence[_MemoryState],
         reports: list[_BatchReport],
-        before: set[asyncio.Task[None]],
+        claim: Claim,
         facts: asyncio.Task[Any] | None,
     ) -> None:
-        if before:
-            await asyncio.wait(before)
-            self._ready_groups += 1
-        try:
-            await self._slots.acquire()
-        finally:
-            self._ready_groups -= 1
-        try:
-            self._slots_changed.set()
-            await self._run_group(index, group, reports, facts)
-        finally:
-            self._slots.release()
-            self._slots_changed.set()
+        """Wait for the group's slot (after the earlier writers of its scopes), then run it;
+        the slot is freed when the task ends (:meth:`_launch_wave`)."""
+        await self._slots.acquire(claim)
+        await self._run_group(index, group, reports, facts)
 
     async def _run_wave(
         self,
@@ -563,9 +548,12 @@ class OperationRun:
         texts = [s.memory.text for s in states if s.todo]
         if self.embedder is None or not texts:
             return None
-        if len(self._vectors) > 4 * self.settings.wave_size:
-            # Bounded: a text missing later is embedded again by the pass that needs it.
-            self._vectors.clear()
+        excess = len(self._vectors) - 2 * MAX_WAVES_IN_FLIGHT * self.settings.wave_size
+        if excess > 0:
+            # Bounded, the oldest first (the waves fetched ahead still need theirs): a text
+            # missing later is embedded again by the pass that needs it.
+            for text in list(itertools.islice(self._vectors, excess)):
+                del self._vectors[text]
         task = asyncio.create_task(self._embed(texts, self.summary.perf))
         # Its error reaches every group awaiting it; this only silences "never retrieved" when
         # the wave was cancelled before any group did.

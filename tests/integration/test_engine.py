@@ -285,3 +285,37 @@ async def test_waves_are_pipelined_but_a_scope_never_runs_twice_at_once_nor_out_
     ]
     # Pipelined: wave 2's "b" did not wait for wave 1's last call to end.
     assert calls["Note 5 about topic b"]["started"] < calls["Note 2 about topic s"]["ended"]
+
+
+async def test_a_freed_slot_goes_to_the_chain_that_continues_into_the_next_wave(
+    pool: asyncpg.Pool, fake: FakeLLMServer
+) -> None:
+    # One slot, waves of 4, one call per memory. Wave 1: "s" (2 calls), then "a", "b"; wave 2:
+    # "s" again (2 calls), then "c", "d". When wave 1's "s" ends, its continuation in wave 2 has
+    # the longest remaining path (2 calls against 1) and takes the slot before "a" and "b",
+    # which were ready long before; equal paths then go in wave order. (Waiting in arrival
+    # order, or fetching wave 2 only once no group of wave 1 waited, gave s s a b s s c d.)
+    fake.control(latency_ms=30)
+    order = ["s", "s", "a", "b", "s", "s", "c", "d"]
+    memories = [
+        {
+            "text": f"Note {i} about topic {tag}",
+            "tags": [tag],
+            "occurred_at": f"2026-01-01T00:00:{i:02d}Z",
+        }
+        for i, tag in enumerate(order)
+    ]
+    await ingest(pool, "b", memories)
+    llm = http_llm(fake.url)
+    try:
+        end = await consolidate(
+            pool, "b", llm, Settings(wave_size=4, llm_batch_size=1, group_parallelism=1)
+        )
+    finally:
+        await llm.aclose()
+    assert end.status == "completed" and end.summary.waves == 2
+    calls = sorted(fake.stats()["calls"], key=lambda c: c["started"])
+    assert [c["scope"][0] for c in calls] == ["s", "s", "s", "s", "a", "b", "c", "d"]
+    assert [c["fact_texts"][0] for c in calls][:4] == [
+        f"Note {i} about topic s" for i in (0, 1, 4, 5)
+    ]
