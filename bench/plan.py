@@ -202,39 +202,85 @@ def simulate_pipelined(
     slots: int,
     latency_s: float,
     overhead_s: float,
+    priority: str = "wave",
+    lookahead: int | None = None,
+    fetch: str = "eager",
 ) -> float:
-    """Makespan of a whole run under pipelined waves (the engine since 5f26aaa): groups queue in
-    wave order (each wave longest chain first); a group takes a free slot once the earlier
-    groups writing one of its scopes have ended, the first queued of the ready ones first; each
-    call costs ``latency_s + overhead_s``. No wave barrier; the next wave is assumed fetched in
-    time. A pure model, for what-if questions."""
+    """Makespan of a whole run under pipelined waves: a group takes a free slot once the earlier
+    groups writing one of its scopes have ended; each call costs ``latency_s + overhead_s``; no
+    wave barrier; a fetch takes no time. Among the ready groups, a freed slot goes to
+
+    - ``priority="wave"``: the first queued (wave order, each wave longest chain first: FIFO
+      slots, the engine from 5f26aaa);
+    - ``priority="critical_path"``: the longest remaining path — its calls plus the longest path
+      among the known groups that wait on it, transitively —, then the older wave, then the
+      wave's order (the engine now, ``consolidation.slots``).
+
+    A group is known once its wave is fetched. ``lookahead`` bounds the waves fetched from the
+    oldest one not done (the engine's MAX_WAVES_IN_FLIGHT; None: no bound); ``fetch="eager"``
+    keeps that many fetched (the engine now), ``"lazy"`` fetches one more only while fewer ready
+    groups than slots wait (the engine from 5f26aaa). A pure model, for what-if questions."""
     import heapq
 
-    groups = [group for wave in waves for group in wave]
+    if priority not in ("wave", "critical_path"):
+        raise ValueError(f"unknown priority {priority!r}")
+    if fetch not in ("eager", "lazy"):
+        raise ValueError(f"unknown fetch {fetch!r}")
+    groups = [(w, calls, scopes) for w, wave in enumerate(waves) for calls, scopes in wave]
     waiting_on: list[set[int]] = []
     dependents: list[list[int]] = [[] for _ in groups]
     last_writer: dict[Scope, int] = {}
-    for index, (_, scopes) in enumerate(groups):
+    for index, (_, _, scopes) in enumerate(groups):
         before = {last_writer[s] for s in scopes if s in last_writer}
         waiting_on.append(before)
         for earlier in before:
             dependents[earlier].append(index)
         for scope in scopes:
             last_writer[scope] = index
-    ready = [i for i, before in enumerate(waiting_on) if not before]
-    heapq.heapify(ready)
+    window = len(waves) if lookahead is None else lookahead
+    left_in_wave = [len(wave) for wave in waves]
+    oldest = 0  # the oldest wave with a group not ended
+    fetched = 0  # waves known
+
+    def known(index: int) -> bool:
+        return groups[index][0] < fetched
+
+    def path(index: int, memo: dict[int, int]) -> int:
+        if index not in memo:
+            memo[index] = groups[index][1] + max(
+                (path(d, memo) for d in dependents[index] if known(d)), default=0
+            )
+        return memo[index]
+
+    ready = {i for i, before in enumerate(waiting_on) if not before}
     running: list[tuple[float, int]] = []
     now = 0.0
     free = slots
     while ready or running:
-        while free and ready:
-            index = heapq.heappop(ready)
-            heapq.heappush(running, (now + groups[index][0] * (latency_s + overhead_s), index))
+        while True:
+            while oldest < len(waves) and left_in_wave[oldest] == 0:
+                oldest += 1
+            while fetched < len(waves) and fetched - oldest < window:
+                lazy = fetch == "lazy" and fetched > oldest
+                if lazy and sum(known(i) for i in ready) >= slots:
+                    break
+                fetched += 1
+            candidates = [i for i in ready if known(i)]
+            if not free or not candidates:
+                break
+            if priority == "wave":
+                index = min(candidates)
+            else:
+                memo: dict[int, int] = {}
+                index = min(candidates, key=lambda i: (-path(i, memo), i))
+            ready.discard(index)
+            heapq.heappush(running, (now + groups[index][1] * (latency_s + overhead_s), index))
             free -= 1
         now, done = heapq.heappop(running)
         free += 1
+        left_in_wave[groups[done][0]] -= 1
         for later in dependents[done]:
             waiting_on[later].discard(done)
             if not waiting_on[later]:
-                heapq.heappush(ready, later)
+                ready.add(later)
     return now
