@@ -6,8 +6,11 @@ waiting group (every earlier writer done) whose remaining critical path is the l
 calls plus the longest path among the queued groups that wait on it, transitively. So a scope's
 chain that continues into later waves is not left to run alone at the end behind short groups
 that could have filled the slots meanwhile. Ties go to the older wave, then to the wave's own
-(longest chain first) order. Paths grow as later waves are queued, so they are computed when a
-slot is granted, over the groups still queued (a few hundred at most).
+(longest chain first) order.
+
+Paths grow as later waves are queued; each queued group lengthens the paths of the groups it
+waits on, at once. They never shrink: a group can end before the groups it waits on only when
+it is cancelled, and then the operation is ending anyway.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ class Claim:
     calls: int  # planned LLM calls of the group
     wave: int
     position: int  # in the wave's plan
+    path: int = 0  # its calls plus the longest path of the queued claims waiting on it
     # The earlier writers of its scopes not done yet, and the queued claims waiting on it.
     after: set[Claim] = field(default_factory=set, repr=False)
     later: list[Claim] = field(default_factory=list, repr=False)
@@ -46,17 +50,19 @@ class SlotAllocator:
         if slots < 1:
             raise ValueError("at least one slot is needed")
         self.free = slots
-        self._waiting: list[Claim] = []  # queued, not granted, not done
+        self._ready: list[Claim] = []  # every earlier writer done; not granted yet
 
     def queue(self, calls: int, wave: int, position: int, after: Iterable[Claim] = ()) -> Claim:
         """Queue a group behind ``after`` (those already done are ignored); it is granted a slot
         at once when one is free and it is ready."""
-        claim = Claim(calls, wave, position)
+        claim = Claim(calls, wave, position, path=calls)
         claim.after = {earlier for earlier in after if not earlier.done}
         for earlier in claim.after:
             earlier.later.append(claim)
-        self._waiting.append(claim)
-        self._grant()
+            _lengthen(earlier, claim.path)
+        if not claim.after:
+            self._ready.append(claim)
+            self._grant()
         return claim
 
     async def acquire(self, claim: Claim) -> None:
@@ -67,8 +73,8 @@ class SlotAllocator:
         except asyncio.CancelledError:
             if claim.holds:  # granted, but the waiter was cancelled before it woke up
                 self._release(claim)
-            elif claim in self._waiting:
-                self._waiting.remove(claim)
+            elif claim in self._ready:
+                self._ready.remove(claim)
             raise
 
     def finish(self, claim: Claim) -> None:
@@ -77,12 +83,14 @@ class SlotAllocator:
         if claim.done:
             return
         claim.done = True
-        if claim in self._waiting:
-            self._waiting.remove(claim)
+        if claim in self._ready:
+            self._ready.remove(claim)
         if not claim.granted.done():
             claim.granted.cancel()
         for waiting in claim.later:
             waiting.after.discard(claim)
+            if not waiting.after and not waiting.done and not waiting.granted.done():
+                self._ready.append(waiting)
         claim.later.clear()
         if claim.holds:
             self._release(claim)
@@ -97,22 +105,21 @@ class SlotAllocator:
     def _grant(self) -> None:
         while self.free > 0:
             # A claim whose waiter was just cancelled leaves the list when that waiter wakes.
-            ready = [c for c in self._waiting if not c.after and not c.granted.done()]
+            ready = [c for c in self._ready if not c.granted.done()]
             if not ready:
                 return
-            paths: dict[int, int] = {}
-            best = min(ready, key=lambda c: (-_path(c, paths), c.wave, c.position))
-            self._waiting.remove(best)
+            best = min(ready, key=lambda c: (-c.path, c.wave, c.position))
+            self._ready.remove(best)
             best.holds = True
             self.free -= 1
             best.granted.set_result(None)
 
 
-def _path(claim: Claim, paths: dict[int, int]) -> int:
-    """``claim``'s calls plus the longest path among the claims waiting on it (memoised)."""
-    key = id(claim)
-    if key not in paths:
-        paths[key] = claim.calls + max(
-            (_path(later, paths) for later in claim.later if not later.done), default=0
-        )
-    return paths[key]
+def _lengthen(claim: Claim, later_path: int) -> None:
+    """A claim waiting on ``claim`` has a path of ``later_path``: lengthen ``claim``'s path, and
+    those of the claims it waits on, where that makes them longer."""
+    path = claim.calls + later_path
+    if path > claim.path:
+        claim.path = path
+        for earlier in claim.after:
+            _lengthen(earlier, path)

@@ -121,3 +121,20 @@ async def test_a_group_cancelled_before_it_asked_frees_its_granted_slot_when_fin
     assert claim.holds
     slots.finish(claim)
     assert other.holds and slots.free == 0
+
+
+async def test_a_waiter_cancelled_while_it_waited_on_an_earlier_writer_is_never_granted() -> None:
+    slots = SlotAllocator(1)
+    first = slots.queue(calls=1, wave=1, position=0)
+    blocked = slots.queue(calls=5, wave=2, position=0, after=[first])
+    other = slots.queue(calls=1, wave=2, position=1)
+    task = asyncio.create_task(slots.acquire(blocked))
+    await settle()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    slots.finish(first)
+    assert other.holds and not blocked.holds and slots.free == 0
+    slots.finish(blocked)
+    slots.finish(other)
+    assert slots.free == 1
