@@ -67,6 +67,9 @@ def _statement_names() -> dict[str, str]:
         for attr, value in vars(module).items():
             if attr.isupper() and isinstance(value, str) and len(value) > 20:
                 names[value] = attr.lower()
+    for count in (1, 2):  # the engine's recalls: a group's first pass fetches two at once
+        names[store.recall_statement(count, hybrid=False)] = "recall"
+        names[store.recall_statement(count, hybrid=True)] = "recall_hybrid"
     return names
 
 

@@ -37,7 +37,7 @@ class _Wave:
 
 
 class Recorder:
-    """Wraps ``store.fetch_wave``, ``store.recall``, ``store.apply_pass`` and
+    """Wraps ``store.fetch_wave``, ``store.recall_many``, ``store.apply_pass`` and
     ``store.commit_wave_markers`` in this process while :meth:`install` is in effect."""
 
     def __init__(self) -> None:
@@ -45,7 +45,7 @@ class Recorder:
         self._originals: dict[str, Callable[..., Awaitable[Any]]] = {}
 
     def install(self) -> None:
-        for name in ("fetch_wave", "recall", "apply_pass", "commit_wave_markers"):
+        for name in ("fetch_wave", "recall_many", "apply_pass", "commit_wave_markers"):
             original = getattr(store, name)
             self._originals[name] = original
             setattr(store, name, self._wrap(name, original))
@@ -84,17 +84,10 @@ class Recorder:
                 wave.markers = {"consolidated": list(consolidated), "failed": dict(failed)}
             return
         wave = self.waves[int(where.split("-")[1]) - 1]
-        if name == "recall":
-            _, _, scope, fact_texts, limit, *vectors = args
+        if name == "recall_many":
+            _, _, requests = args
             wave.groups.setdefault(where, []).append(
-                {
-                    "recall": {
-                        "scope": scope,
-                        "fact_texts": list(fact_texts),
-                        "limit": limit,
-                        "fact_vectors": vectors[0] if vectors else None,
-                    }
-                }
+                {"recall": {"scope": requests[0].scope, "requests": list(requests)}}
             )
         else:
             _, _, write, recall_next = args
@@ -207,15 +200,8 @@ async def _group(
     async with slots:
         for call in calls:
             if "recall" in call:
-                r = call["recall"]
-                await store.recall(
-                    pool,
-                    lease.bank_id,
-                    tuple(r["scope"]),
-                    r["fact_texts"],
-                    r["limit"],
-                    r["fact_vectors"],
-                )
+                requests = [_recall_request(r) for r in call["recall"]["requests"]]
+                await store.recall_many(pool, lease.bank_id, [r for r in requests if r])
             else:
                 write = _write(call["apply"], lease.operation_id)
                 await store.apply_pass(

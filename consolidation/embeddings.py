@@ -18,7 +18,9 @@ long for the model, most often) gets no vector, and recall simply ranks it by fu
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol, Unpack
 
 import asyncpg
@@ -122,6 +124,16 @@ class _Refused(Exception):
         self.detail = detail
 
 
+@dataclass
+class _Batch:
+    """Texts of several callers that travel in one request (:meth:`HTTPEmbedder.embed`)."""
+
+    done: asyncio.Future[list[Vector | None]]
+    texts: list[str] = field(default_factory=list)
+    waiters: int = 0
+    task: asyncio.Task[list[Vector | None]] | None = None
+
+
 class HTTPEmbedder:
     """Client for ``POST {base_url}/embeddings``; one instance per process, shared by every
     operation (its ``max_concurrent`` caps the requests in flight).
@@ -151,6 +163,8 @@ class HTTPEmbedder:
         self._configured_dimensions = dimensions
         self._dimensions = dimensions
         self._probe_ok = False
+        self._sending: _Batch | None = None  # the coalesced request in flight
+        self._next: _Batch | None = None  # texts waiting for it to end
 
     @property
     def url(self) -> str:
@@ -170,7 +184,61 @@ class HTTPEmbedder:
 
     async def embed(self, texts: Sequence[str]) -> list[Vector | None]:
         """One vector per text (None for a text the server refused on its own), batched into
-        as few requests as possible. Cancelling the caller aborts the HTTP request."""
+        as few requests as possible.
+
+        Coalesced: while one request is in flight, the texts asked meanwhile (by every pass of
+        every operation of the process) wait and go together in the next, so that many passes
+        writing a few observations each cost one request rather than one each; a text waits
+        at most one round trip longer. A caller cancelled leaves its batch; a batch nobody
+        waits for any more is abandoned (its HTTP request aborted)."""
+        if not texts:
+            return []
+        batch = self._next
+        if batch is None:
+            batch = self._next = _Batch(asyncio.get_running_loop().create_future())
+        start = len(batch.texts)
+        batch.texts.extend(texts)
+        batch.waiters += 1
+        if self._sending is None:
+            self._send_next()
+        try:
+            vectors = await asyncio.shield(batch.done)
+        except asyncio.CancelledError:
+            batch.waiters -= 1
+            if batch.waiters == 0:
+                self._abandon(batch)
+            raise
+        return vectors[start : start + len(texts)]
+
+    def _send_next(self) -> None:
+        """Send the waiting batch, if any, as the request in flight."""
+        batch, self._next = self._next, None
+        self._sending = batch
+        if batch is None:
+            return
+        batch.task = asyncio.create_task(self._embed_now(batch.texts))
+        batch.task.add_done_callback(lambda task: self._sent(batch, task))
+
+    def _sent(self, batch: _Batch, task: asyncio.Task[list[Vector | None]]) -> None:
+        if not batch.done.done():
+            if task.cancelled():
+                batch.done.cancel()
+            elif (error := task.exception()) is not None:
+                batch.done.set_exception(error)
+                batch.done.exception()  # retrieved: every waiter may have gone
+            else:
+                batch.done.set_result(task.result())
+        if self._sending is batch:
+            self._send_next()
+
+    def _abandon(self, batch: _Batch) -> None:
+        if batch is self._next:
+            self._next = None
+        elif batch.task is not None:
+            batch.task.cancel()
+        batch.done.cancel()
+
+    async def _embed_now(self, texts: Sequence[str]) -> list[Vector | None]:
         vectors: list[Vector | None] = []
         for start in range(0, len(texts), MAX_INPUTS_PER_REQUEST):
             chunk = list(texts[start : start + MAX_INPUTS_PER_REQUEST])

@@ -15,6 +15,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 import asyncpg
@@ -146,9 +147,10 @@ class _MemoryState:
 
 @dataclass(frozen=True)
 class RecallAhead:
-    """The recall that a pass's apply fetched for the pass its group makes next (it rides on the
-    apply, DESIGN §2). Nothing else writes a group's scopes in between — groups never share a
-    scope and a bank runs one operation at a time — so it is exact for that pass, and only it."""
+    """A recall fetched ahead for a pass its group makes later (DESIGN §2): by the apply of an
+    earlier pass, or with the group's first recall. Nothing else writes a group's scopes in
+    between — groups never share a scope and a bank runs one operation at a time — so it is
+    exact for that pass once the writes its group sent since are laid over it (:meth:`after`)."""
 
     request: store.RecallRequest
     observations: list[store.RecalledObservation]
@@ -156,6 +158,73 @@ class RecallAhead:
     def serves(self, wanted: store.RecallRequest) -> list[store.RecalledObservation] | None:
         """The recalled observations if ``wanted`` is the pass this was fetched for, else None."""
         return self.observations if wanted == self.request else None
+
+    def after(
+        self, write: store.PassWrite, shown: Sequence[store.RecalledObservation]
+    ) -> RecallAhead:
+        """This recall as the pass will see it once ``write`` is applied: what ``write`` created
+        or changed in the scope first (batch k+1 always sees what batch k wrote), then the rest
+        as ranked, less the observations merged away, capped by the limit. ``shown`` are the
+        observations the writing pass saw (their source counts; an observation's new count is
+        the sum of the merged ones' and its new facts', which the next recall corrects)."""
+        if write.scope != self.request.scope:
+            return self
+        now = datetime.now(UTC)
+        sources = {o.id: o.sources for o in (*self.observations, *shown)}
+        written = [
+            store.RecalledObservation(
+                w.ids[0],
+                w.text,
+                sum(sources.get(i, 0) for i in w.ids) + len(set(w.memory_ids)),
+                now,
+            )
+            for w in write.observations
+        ]
+        touched = {i for w in write.observations for i in w.ids}
+        rest = [o for o in self.observations if o.id not in touched]
+        return replace(self, observations=(written + rest)[: self.request.limit])
+
+
+@dataclass
+class _Speculation:
+    """The next pass's LLM call, started as soon as this pass's answer was known, on the recall
+    it will have once this pass's writes are in, so that it runs while they are applied."""
+
+    recall: RecallAhead
+    request: PassRequest
+    chat: Chat
+    perf: PerfLog  # the call's own counts, added to the pass that uses (or drops) it
+    task: asyncio.Task[PassPlan]
+    settled: bool = False  # used or dropped, its counts added to a pass's
+
+    async def answer(self, perf: PerfLog) -> PassPlan:
+        """The call's answer, for the pass it was started for."""
+        self.settled = True
+        try:
+            return await self.task
+        finally:
+            perf += self.perf
+
+    def drop(self, perf: PerfLog) -> None:
+        """Abandon the call (its pass will not be made as planned); it still counts."""
+        if self.settled:
+            return
+        self.settled = True
+        self.task.cancel()
+        self.task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        perf += self.perf
+
+
+@dataclass
+class _Ahead:
+    """What a pass prepared for the next passes of its group: recalls, and maybe the next
+    pass's LLM call already under way."""
+
+    recalls: tuple[RecallAhead, ...] = ()
+    answer: _Speculation | None = None
+
+    def recall_for(self, wanted: store.RecallRequest) -> RecallAhead | None:
+        return next((r for r in self.recalls if r.request == wanted), None)
 
 
 @dataclass
@@ -481,10 +550,12 @@ class OperationRun:
         reports: list[_BatchReport],
         facts: asyncio.Task[Any] | None = None,
     ) -> None:
-        """The group's passes strictly in order: batch k+1 recalls what batch k wrote. With
-        embeddings, they start once the wave's facts are embedded (``facts``)."""
+        """The group's passes strictly in order: batch k+1 sees what batch k wrote, and pass
+        k+1's LLM call starts once pass k's answer is known, while pass k's writes are applied
+        (:meth:`_run_pass`). With embeddings, they start once the wave's facts are embedded
+        (``facts``)."""
         plan = GroupPlan(group, self.settings.llm_batch_size, _MemoryState.remaining)
-        ahead: RecallAhead | None = None
+        ahead: _Ahead | None = None
         try:
             if facts is not None:
                 # Shielded: the request serves the wave's other groups, whatever becomes of us.
@@ -498,10 +569,16 @@ class OperationRun:
                     )
                 perf = reports[-1].perf
                 self._checkpoint()
+                prepared, ahead = ahead, None
                 try:
-                    ahead = await self._run_pass(step, perf, ahead, plan.peek())
+                    try:
+                        ahead = await self._run_pass(
+                            step, perf, prepared, plan.peek(), plan.peek(2)
+                        )
+                    finally:
+                        if prepared is not None and prepared.answer is not None:
+                            prepared.answer.drop(perf)  # unless the pass used it
                 except InvalidLLMOutput as exc:
-                    ahead = None
                     if len(step.members) == 1:
                         self._fail(step.members[0], step.scope, exc)
                         continue
@@ -515,6 +592,9 @@ class OperationRun:
         except BaseException:
             self._abort = True
             raise
+        finally:
+            if ahead is not None and ahead.answer is not None and reports:
+                ahead.answer.drop(reports[-1].perf)  # stopped before the pass it was for
 
     def _fail(self, member: _MemoryState, scope: Scope, exc: InvalidLLMOutput) -> None:
         member.failure = str(exc)[:MAX_FAILURE_REASON_CHARS]
@@ -582,56 +662,75 @@ class OperationRun:
         self,
         step: Pass[_MemoryState],
         perf: PerfLog,
-        ahead: RecallAhead | None,
+        ahead: _Ahead | None,
         upcoming: Pass[_MemoryState] | None,
-    ) -> RecallAhead | None:
-        """Recall (unless the previous apply brought it), ask the LLM (one retry on an unusable
-        answer), apply in one transaction — fetching ``upcoming``'s recall on the way, which is
-        returned for it.
+        following: Pass[_MemoryState] | None,
+    ) -> _Ahead:
+        """Recall (unless an earlier pass brought it), ask the LLM (one retry on an unusable
+        answer), apply in one transaction; returns what it prepared for ``upcoming``.
+
+        The passes of a group overlap without reordering anything: once this pass's answer is
+        known, ``upcoming``'s LLM call starts on the recall it will have after this pass's
+        writes (the recall held for it, :meth:`RecallAhead.after`), while the writes are
+        applied — fetching ``following``'s recall on the way. ``upcoming`` uses that call if it
+        is still the pass it was started for; it is dropped if this pass's apply fails. Applies
+        stay one at a time and in order: this method returns once its own is done.
 
         With embeddings, the facts' vectors are known since the wave started, and the vectors of
-        this pass's written observations are fetched in one request between the answer and the
-        apply (with ``upcoming``'s facts, should they have dropped out of the bounded cache)."""
-        wanted = self._recall_request(step)
-        if self.embedder is not None:
-            wanted = replace(wanted, fact_vectors=await self._embed(wanted.fact_texts, perf))
-        recalled = ahead.serves(wanted) if ahead is not None else None
-        if recalled is None:
-            started = time.monotonic()
-            recalled = await store.recall(
-                self.pool,
-                self.lease.bank_id,
-                step.scope,
-                wanted.fact_texts,
-                wanted.limit,
-                wanted.fact_vectors,
-            )
-            perf.recall_s += time.monotonic() - started
-        request = build_request(
-            self.lease.bank_id,
-            step.scope,
-            self.mission,
-            [
-                FactInput(m.memory.id, m.memory.text, m.memory.tags, m.memory.occurred_at)
-                for m in step.members
-            ],
-            [ObservationInput(o.id, o.text, o.sources, o.updated_at) for o in recalled],
-        )
-        upcoming_recall = None if upcoming is None else self._recall_request(upcoming)
-        chat = pass_chat(request)
+        this pass's written observations are fetched in one request before the apply (with
+        ``following``'s facts, should they have dropped out of the bounded cache)."""
+        wanted = await self._wanted(step, perf)
+        early = ahead.answer if ahead is not None else None
+        if early is not None and early.recall.request != wanted:
+            early.drop(perf)  # the plan changed (a split, a failed member): not this pass's
+            early = None
+        held = ahead.recall_for(wanted) if ahead is not None else None
+        upcoming_recall = None
+        if upcoming is not None and ahead is not None:
+            upcoming_recall = ahead.recall_for(await self._wanted(upcoming, perf))
+        if early is not None:
+            recalled, request, chat = early.recall.observations, early.request, early.chat
+        else:
+            if held is not None:
+                recalled = held.observations
+            else:
+                started = time.monotonic()
+                # The group's first pass (or the first after a split) also fetches the next
+                # pass's recall, which its own apply cannot bring in time for the early call.
+                both = [wanted]
+                if upcoming is not None and upcoming_recall is None:
+                    both.append(await self._wanted(upcoming, perf))
+                fetched = await store.recall_many(self.pool, self.lease.bank_id, both)
+                perf.recall_s += time.monotonic() - started
+                recalled = fetched[0]
+                if len(both) == 2:
+                    upcoming_recall = RecallAhead(both[1], fetched[1])
+            request = self._pass_request(step, recalled)
+            chat = pass_chat(request)
+        following_recall = None if following is None else await self._wanted(following, perf)
         for attempt in (1, 2):
+            started_early: _Speculation | None = None
             try:
-                answer = await self._ask(request, chat, perf)
+                if early is not None and attempt == 1:
+                    answer = await early.answer(perf)
+                else:
+                    answer = await self._ask(request, chat, perf)
                 write = _pass_write(self.lease, step, answer)
+                if upcoming is not None and upcoming_recall is not None and self._may_start():
+                    started_early = self._start_early(
+                        upcoming, upcoming_recall.after(write, recalled)
+                    )
                 if self.embedder is not None:
-                    write, upcoming_recall = await self._with_vectors(write, upcoming_recall, perf)
+                    write, following_recall = await self._with_vectors(
+                        write, following_recall, perf
+                    )
                 started = time.monotonic()
                 try:
-                    fetched = await store.apply_pass(
+                    fetched_next = await store.apply_pass(
                         self.pool,
                         self.lease,
                         write,
-                        upcoming_recall,
+                        following_recall,
                         embeddings=self.embedder is not None,
                     )
                 except store.StaleObservation as exc:
@@ -639,6 +738,8 @@ class OperationRun:
                 finally:
                     perf.apply_s += time.monotonic() - started
             except InvalidLLMOutput as exc:
+                if started_early is not None:
+                    started_early.drop(perf)
                 perf.llm_failures += 1
                 if attempt == 2:
                     raise
@@ -651,12 +752,51 @@ class OperationRun:
                     repair=chat.repair,
                 )
                 continue
+            except BaseException:
+                if started_early is not None:
+                    started_early.drop(perf)
+                raise
             for member, outcome in zip(step.members, write.outcomes, strict=True):
                 member.applied[step.scope] = outcome.action
-            if upcoming_recall is None or fetched is None:
-                return None
-            return RecallAhead(upcoming_recall, fetched)
+            recalls = []
+            if following_recall is not None and fetched_next is not None:
+                recalls.append(RecallAhead(following_recall, fetched_next))
+            if started_early is None and upcoming_recall is not None:
+                recalls.append(upcoming_recall.after(write, recalled))
+            return _Ahead(tuple(recalls), started_early)
         raise AssertionError("unreachable")
+
+    async def _wanted(self, step: Pass[_MemoryState], perf: PerfLog) -> store.RecallRequest:
+        """What ``step`` recalls by; with embeddings, with its facts' vectors."""
+        wanted = self._recall_request(step)
+        if self.embedder is not None:
+            wanted = replace(wanted, fact_vectors=await self._embed(wanted.fact_texts, perf))
+        return wanted
+
+    def _pass_request(
+        self, step: Pass[_MemoryState], recalled: Sequence[store.RecalledObservation]
+    ) -> PassRequest:
+        return build_request(
+            self.lease.bank_id,
+            step.scope,
+            self.mission,
+            [
+                FactInput(m.memory.id, m.memory.text, m.memory.tags, m.memory.occurred_at)
+                for m in step.members
+            ],
+            [ObservationInput(o.id, o.text, o.sources, o.updated_at) for o in recalled],
+        )
+
+    def _may_start(self) -> bool:
+        """Whether a pass may start now: nothing asks the operation to stop."""
+        return self.stop.reason is None and not self._abort
+
+    def _start_early(self, step: Pass[_MemoryState], recall: RecallAhead) -> _Speculation:
+        request = self._pass_request(step, recall.observations)
+        chat = pass_chat(request)
+        perf = PerfLog()
+        task = asyncio.create_task(self._ask(request, chat, perf))
+        return _Speculation(recall, request, chat, perf, task)
 
     async def _with_vectors(
         self, write: store.PassWrite, upcoming: store.RecallRequest | None, perf: PerfLog

@@ -288,6 +288,16 @@ def _parse(body: bytes) -> _Parsed:
     )
 
 
+def _observation_texts(user: dict[str, Any] | None) -> list[str]:
+    """The texts of the observations a request showed (recorded with its call)."""
+    shown = user.get("observations") if user is not None else None
+    return [
+        o["text"]
+        for o in (shown if isinstance(shown, list) else [])
+        if isinstance(o, dict) and isinstance(o.get("text"), str)
+    ]
+
+
 def _is_json_object(content: str) -> bool:
     try:
         return isinstance(orjson.loads(content), dict)
@@ -695,6 +705,7 @@ class _FakeLLM:
                 "bank": parsed.bank,
                 "scope": parsed.scope or (),
                 "fact_texts": parsed.fact_texts,
+                "observation_texts": _observation_texts(parsed.user),
                 "status": None,
                 "started": time.monotonic(),
                 "ended": None,

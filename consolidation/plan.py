@@ -74,17 +74,22 @@ class GroupPlan(Generic[T]):
             if current is not None:
                 return current
 
-    def peek(self) -> Pass[T] | None:
-        """The pass :meth:`next` will return if the one being made now succeeds."""
+    def peek(self, ahead: int = 1) -> Pass[T] | None:
+        """The pass :meth:`next` will return if the one being made now succeeds (``ahead=2``:
+        the one after it, if that succeeds too)."""
+        for upcoming in self._upcoming():
+            ahead -= 1
+            if ahead == 0:
+                return upcoming
+        return None
+
+    def _upcoming(self) -> Iterator[Pass[T]]:
         for planned in self._passes:
             current = self._current(planned)
             if current is not None:
-                return current
+                yield current
         for batch, part in self._queue:
-            passes = part_passes(batch, part, self._todo)
-            if passes:
-                return passes[0]
-        return None
+            yield from part_passes(batch, part, self._todo)
 
     def split(self, failed: Pass[T]) -> None:
         """An unusable answer for a pass of several members: forget the rest of its part's

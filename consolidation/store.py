@@ -745,6 +745,50 @@ async def recall(
     return _recalled(rows)
 
 
+def recall_statement(count: int, hybrid: bool) -> str:
+    """ONE statement returning ``count`` recalls (a group's first pass fetches its own and its
+    next pass's), each row tagged with the recall it belongs to and its place in it."""
+    function, arity = (
+        ("consolidation_recall_hybrid_v1", 5) if hybrid else ("consolidation_recall_v1", 4)
+    )
+    parts = []
+    for k in range(count):
+        params = ", ".join(f"${k * arity + i + 1}" for i in range(arity))
+        parts.append(
+            f"SELECT {k} AS k, r.n, r.obs_id, r.obs_text, r.obs_updated_at, r.obs_sources"
+            f" FROM {function}({params}) WITH ORDINALITY"
+            " AS r(obs_id, obs_text, obs_updated_at, obs_sources, n)"
+        )
+    return " UNION ALL ".join(parts) + " ORDER BY k, n"
+
+
+async def recall_many(
+    conn: asyncpg.Connection | asyncpg.Pool, bank_id: str, requests: Sequence[RecallRequest]
+) -> list[list[RecalledObservation]]:
+    """The recalls of several passes' requests (:func:`recall` each), in ONE statement. With
+    embeddings (``fact_vectors`` set) all of them are hybrid."""
+    wanted = [(i, r) for i, r in enumerate(requests) if r.limit > 0]
+    found: list[list[RecalledObservation]] = [[] for _ in requests]
+    if not wanted:
+        return found
+    hybrid = any(r.fact_vectors is not None for _, r in wanted)
+    args: list[Any] = []
+    for _, r in wanted:
+        if hybrid:
+            vectors = r.fact_vectors or (None,) * len(r.fact_texts)
+            args += [bank_id, r.scope, r.limit, list(r.fact_texts), list(vectors)]
+        else:
+            args += [bank_id, r.scope, r.limit, "\n".join(r.fact_texts)]
+    rows = await conn.fetch(recall_statement(len(wanted), hybrid), *args)
+    for row in rows:
+        found[wanted[row["k"]][0]].append(
+            RecalledObservation(
+                row["obs_id"], row["obs_text"], int(row["obs_sources"]), row["obs_updated_at"]
+            )
+        )
+    return found
+
+
 def _recalled(rows: Sequence[asyncpg.Record]) -> list[RecalledObservation]:
     return [RecalledObservation(r[0], r[1], int(r[3]), r[2]) for r in rows]
 

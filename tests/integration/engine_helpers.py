@@ -68,6 +68,11 @@ async def wait_for(condition: Callable[[], Any], timeout_s: float = 30.0, what: 
         await asyncio.sleep(0.02)
 
 
+async def grew(pool: asyncpg.Pool, query: str, than: int) -> bool:
+    """Whether the count ``query`` returns is now above ``than``."""
+    return bool(await pool.fetchval(query) > than)
+
+
 async def observations_by_scope(pool: asyncpg.Pool, bank: str) -> dict[tuple[str, ...], list[str]]:
     rows = await pool.fetch(
         "SELECT scope, text FROM observations WHERE bank_id = $1 ORDER BY created_at", bank

@@ -10,7 +10,7 @@ from consolidation import db, queue
 from consolidation.engine import StopReason, StopSignal, run_operation
 from consolidation.fake_llm import FakeLLMServer
 from consolidation.settings import Settings
-from tests.integration.engine_helpers import http_llm, ingest, topics, wait_for
+from tests.integration.engine_helpers import grew, http_llm, ingest, topics, wait_for
 from tests.invariants import assert_consistent
 from tests.proxy import TcpProxy
 
@@ -46,7 +46,7 @@ async def test_a_pass_applied_while_its_operation_is_cancelled_is_marked_and_cou
             proxy.hold()
             held_from = await pool.fetchval(journal)
             await wait_for(
-                lambda: _grew(pool, journal, held_from), what="an apply committed unheard"
+                lambda: grew(pool, journal, held_from), what="an apply committed unheard"
             )
             stop.set(StopReason.CANCEL)
             proxy.release()
@@ -63,7 +63,3 @@ async def test_a_pass_applied_while_its_operation_is_cancelled_is_marked_and_cou
     result = await pool.fetchval("SELECT result FROM operations WHERE id = $1", lease.operation_id)
     assert marked > 0 and result["processed"] == marked
     await assert_consistent(pool, allow_pending=True)
-
-
-async def _grew(pool: asyncpg.Pool, query: str, than: int) -> bool:
-    return bool(await pool.fetchval(query) > than)

@@ -20,7 +20,7 @@ from consolidation.engine import run_operation
 from consolidation.fake_llm import FakeLLMServer
 from consolidation.settings import Settings, load_settings
 from consolidation.worker import Worker
-from tests.integration.engine_helpers import http_llm, ingest, topics, wait_for
+from tests.integration.engine_helpers import grew, http_llm, ingest, topics, wait_for
 from tests.invariants import assert_consistent
 
 TERMINATE_OTHERS = """
@@ -140,11 +140,17 @@ async def test_sessions_terminated_during_every_stage_of_a_pass_never_duplicate_
     config = Settings(llm_batch_size=2, group_parallelism=3, retry_backoff_s=0)
     killed = 0
 
+    journal = "SELECT count(*) FROM consolidation_outcomes"
+
     async def killer(done: asyncio.Event) -> None:
         nonlocal killed
         while not done.is_set():
-            answered = killed * 2
-            await wait_for(lambda n=answered: fake.stats()["completed"] > n or done.is_set())
+            # Each round lets at least one more pass through (whatever the engine asked the
+            # LLM meanwhile), then kills.
+            applied = await pool.fetchval(journal)
+            await wait_for(
+                lambda n=applied: done.is_set() or grew(pool, journal, n), what="a pass applied"
+            )
             if killed % 2:
                 # Wherever the engine happens to be (often idle between statements).
                 killed += 1

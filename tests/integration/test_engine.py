@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -19,6 +20,7 @@ from tests.integration.engine_helpers import (
     ingest,
     markers,
     observations_by_scope,
+    wait_for,
 )
 
 
@@ -179,9 +181,10 @@ async def test_a_pass_gets_its_recall_from_the_previous_apply_of_its_group(
         )
     assert end.status == "completed", end.error
     assert fake.stats()["requests"] == 8
-    # Only the group's first pass recalls on its own; the seven others got theirs from the
-    # apply before them, in the same statement.
-    assert statements.count(store.RECALL) == 1
+    # Only the group's first pass recalls on its own, with the second pass's recall in the same
+    # statement; the six others got theirs from an earlier apply, in the same statement.
+    assert statements.count(store.recall_statement(2, hybrid=False)) == 1
+    assert statements.count(store.RECALL) == 0
     assert statements.count(store.APPLY_PASS) == 8
     # And what they got was current: every later batch found the observation of its scope.
     assert {scope: len(texts) for scope, texts in by_scope.items()} == {("alice",): 1, ("tea",): 1}
@@ -319,3 +322,61 @@ async def test_a_freed_slot_goes_to_the_chain_that_continues_into_the_next_wave(
     assert [c["fact_texts"][0] for c in calls][:4] == [
         f"Note {i} about topic s" for i in (0, 1, 4, 5)
     ]
+
+
+# Each apply's outcomes, logged when they are written and after: an apply waits at the gate (an
+# advisory lock the test holds) between the two.
+APPLY_GATE = """
+CREATE TABLE apply_log (at timestamptz NOT NULL, step text NOT NULL, tx bigint NOT NULL);
+CREATE FUNCTION apply_gate() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    INSERT INTO apply_log VALUES (clock_timestamp(), TG_WHEN, txid_current());
+    IF TG_WHEN = 'BEFORE' THEN
+        PERFORM pg_advisory_xact_lock_shared(4242);
+    END IF;
+    RETURN NULL;
+END $$;
+CREATE TRIGGER apply_gate_before BEFORE INSERT ON consolidation_outcomes
+    FOR EACH STATEMENT EXECUTE FUNCTION apply_gate();
+CREATE TRIGGER apply_gate_after AFTER INSERT ON consolidation_outcomes
+    FOR EACH STATEMENT EXECUTE FUNCTION apply_gate();
+"""
+
+
+async def test_a_pass_asks_the_llm_while_the_previous_applies_and_sees_what_it_wrote(
+    pool: asyncpg.Pool, database_url: str, fake: FakeLLMServer
+) -> None:
+    # One scope, one memory per batch: three passes in a chain. Pass 1's apply is held at the
+    # gate; pass 2's LLM call must start all the same, showing what pass 1 is writing, and no
+    # apply may start before the one before it has ended.
+    await ingest(pool, "b", topic("Alice", 3, ["alice"]))
+    await pool.execute(APPLY_GATE)
+    gate = await asyncpg.connect(database_url)
+    llm = http_llm(fake.url)
+    try:
+        await gate.execute("SELECT pg_advisory_lock(4242)")
+        run = asyncio.create_task(consolidate(pool, "b", llm, Settings(llm_batch_size=1)))
+        calls = await wait_for(
+            lambda: len(fake.stats()["calls"]) >= 2 and fake.stats()["calls"],
+            what="pass 2's call while pass 1's apply is held",
+        )
+        assert await pool.fetchval("SELECT count(*) FROM consolidation_outcomes") == 0
+        await gate.execute("SELECT pg_advisory_unlock(4242)")
+        end = await asyncio.wait_for(run, 30)
+    finally:
+        await gate.close()
+        await llm.aclose()
+    assert end.status == "completed", end.error
+    assert calls[0]["observation_texts"] == []
+    # Pass 2 updated what pass 1 created (the topic ends in one observation): the text it
+    # replaced is the one its prompt showed.
+    created = await pool.fetchval(
+        "SELECT previous_text FROM observation_history ORDER BY version LIMIT 1"
+    )
+    assert created is not None and calls[1]["observation_texts"] == [created]
+    log = await pool.fetch("SELECT at, step, tx FROM apply_log ORDER BY at")
+    steps = [(r["step"], r["tx"]) for r in log]
+    assert len(steps) == 6
+    # BEFORE and AFTER of one transaction, then the next: the applies never overlapped.
+    assert [s for s, _ in steps] == ["BEFORE", "AFTER"] * 3
+    assert all(steps[i][1] == steps[i + 1][1] for i in range(0, 6, 2))

@@ -145,8 +145,10 @@ async def test_one_embeddings_request_per_wave_for_its_facts_and_per_pass_for_it
     facts = {m["text"] for m in tea(10)}
     assert {t for t in sent if t in facts} == facts
     assert end.summary.perf.embedding_requests == len(calls)
-    # The SQL: hybrid recall once, then every recall rides on the hybrid apply.
-    assert statements.count(store.RECALL_HYBRID) == 1
+    # The SQL: one hybrid recall statement (the first two passes'), then every recall rides
+    # on the hybrid apply.
+    assert statements.count(store.recall_statement(2, hybrid=True)) == 1
+    assert store.RECALL_HYBRID not in statements
     assert statements.count(store.APPLY_PASS_HYBRID) == 8
     assert store.RECALL not in statements and store.APPLY_PASS not in statements
 

@@ -290,6 +290,49 @@ async def test_cancelling_the_caller_aborts_the_http_request(
     await wait_for(lambda: fake.stats()["embeddings"]["aborted"] == 1, what="abort seen")
 
 
+async def _waiting_behind_a_hung_request(
+    fake: FakeLLMServer, client: HTTPEmbedder, texts: list[str]
+) -> tuple[asyncio.Task[Any], list[asyncio.Task[Any]]]:
+    """A first request that hangs, and one caller per text waiting for it to end."""
+    first = asyncio.create_task(client.embed(["a"]))
+    await wait_for(lambda: fake.stats()["embeddings"]["requests"] == 1, what="request arrived")
+    later = [asyncio.create_task(client.embed([t])) for t in texts]
+    # The callers have joined the next batch (the only place they can be seen waiting).
+    await wait_for(lambda: client._next is not None and client._next.waiters == len(texts))
+    return first, later
+
+
+async def test_texts_asked_while_a_request_is_in_flight_travel_together_in_the_next(
+    fake: FakeLLMServer, make_embedder: Any
+) -> None:
+    fake.control(embeddings={"script": [{"hang": True}]})
+    client = make_embedder(fake.url)
+    first, (b, c, d) = await _waiting_behind_a_hung_request(fake, client, ["b", "c", "d"])
+    c.cancel()  # one caller leaves; the others still get theirs
+    first.cancel()  # nobody waits for the hung request any more: it is abandoned
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    assert await b == [vector_literal(embed_text("b"))]
+    assert await d == [vector_literal(embed_text("d"))]
+    with pytest.raises(asyncio.CancelledError):
+        await c
+    stats = fake.stats()["embeddings"]
+    assert [call["inputs"] for call in stats["calls"]] == [["a"], ["b", "c", "d"]]
+    assert stats["aborted"] == 1
+
+
+async def test_an_error_of_a_coalesced_request_reaches_every_caller(
+    fake: FakeLLMServer, make_embedder: Any
+) -> None:
+    fake.control(embeddings={"script": [{"hang": True}, {"status": 401}]})
+    client = make_embedder(fake.url)
+    first, later = await _waiting_behind_a_hung_request(fake, client, ["b", "c"])
+    first.cancel()
+    for task in later:
+        with pytest.raises(EmbeddingsConfigError):
+            await task
+
+
 def test_invalid_base_url_is_a_config_error() -> None:
     with pytest.raises(EmbeddingsConfigError, match="CONSOLIDATION_EMBEDDINGS_BASE_URL"):
         HTTPEmbedder(base_url="localhost:8000", model="m")

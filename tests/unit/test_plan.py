@@ -30,16 +30,18 @@ def described(step: Pass[Member] | None) -> tuple[int, Scope, list[str]] | None:
 
 
 def run_all(plan: GroupPlan[Member]) -> list[tuple[int, Scope, list[str]] | None]:
-    """Make every pass successfully, checking peek() against next() on the way."""
+    """Make every pass successfully, checking peek() and peek(2) against next() on the way."""
     made = []
-    expected = plan.peek()
+    expected, after = plan.peek(), plan.peek(2)
     while (step := plan.next()) is not None:
         assert described(step) == described(expected)
         for member in step.members:
             member.applied.add(step.scope)
         made.append(described(step))
         expected = plan.peek()
-    assert expected is None
+        assert described(expected) == described(after)  # what peek(2) promised one pass ago
+        after = plan.peek(2)
+    assert expected is None and after is None
     return made
 
 
