@@ -469,6 +469,7 @@ def render_embeddings(emb: dict[str, Any]) -> str:
     rows.append(
         f"Embeddings on: {ratio:.2f}× the memories/s of off (goal ≥ 0.75: "
         f"{'met' if ratio >= 0.75 else 'not met'}); "
-        f"{emb['embedding_requests_per_llm_call']:.2f} embeddings requests per LLM call."
+        f"{emb['embedding_requests_per_llm_call']:.2f} embeddings asked per LLM call, in "
+        f"{emb.get('embedding_http_requests_per_llm_call', float('nan')):.2f} HTTP requests."
     )
     return "\n".join(rows)

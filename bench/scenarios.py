@@ -190,6 +190,8 @@ def _record(
         "embedding_requests": perf.get("embedding_requests", 0),
         "planned_calls": plan["calls"],
         "fake_requests": fake_stats["requests"],
+        # HTTP requests the embeddings endpoint got (several passes' texts may share one).
+        "fake_embedding_requests": fake_stats.get("embeddings", {}).get("requests", 0),
         "fake_max_in_flight": fake_stats["max_in_flight"],
         "fake_service_ms_mean": fake_stats["service_ms_mean"],
         "fake_in_flight_share": fake_stats.get("in_flight_share"),
@@ -575,6 +577,8 @@ async def embeddings_cost(
             },
         },
         "embedding_requests_per_llm_call": runs_on[0]["embedding_requests"]
+        / max(1, runs_on[0]["llm_calls"]),
+        "embedding_http_requests_per_llm_call": runs_on[0]["fake_embedding_requests"]
         / max(1, runs_on[0]["llm_calls"]),
         "same_result_on_and_off": len({str(r["digest"]) for r in runs_off + runs_on}) == 1,
         "runs": runs_off + runs_on,
