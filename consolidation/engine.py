@@ -438,7 +438,7 @@ class OperationRun:
         """Wait for the group's slot (after the earlier writers of its scopes), then run it;
         the slot is freed when the task ends (:meth:`_launch_wave`)."""
         await self._slots.acquire(claim)
-        await self._run_group(index, group, reports, facts)
+        await self._run_group(index, group, reports, claim, facts)
 
     async def _run_wave(
         self,
@@ -548,12 +548,14 @@ class OperationRun:
         index: int,
         group: Sequence[_MemoryState],
         reports: list[_BatchReport],
+        claim: Claim,
         facts: asyncio.Task[Any] | None = None,
     ) -> None:
         """The group's passes strictly in order: batch k+1 sees what batch k wrote, and pass
         k+1's LLM call starts once pass k's answer is known, while pass k's writes are applied
-        (:meth:`_run_pass`). With embeddings, they start once the wave's facts are embedded
-        (``facts``)."""
+        (:meth:`_run_pass`). The group holds its slot (``claim``) while it asks the LLM: it
+        gives it back once its last answer is in, before that pass's apply. With embeddings,
+        they start once the wave's facts are embedded (``facts``)."""
         plan = GroupPlan(group, self.settings.llm_batch_size, _MemoryState.remaining)
         ahead: _Ahead | None = None
         try:
@@ -573,7 +575,7 @@ class OperationRun:
                 try:
                     try:
                         ahead = await self._run_pass(
-                            step, perf, prepared, plan.peek(), plan.peek(2)
+                            step, perf, prepared, plan.peek(), plan.peek(2), claim
                         )
                     finally:
                         if prepared is not None and prepared.answer is not None:
@@ -665,6 +667,7 @@ class OperationRun:
         ahead: _Ahead | None,
         upcoming: Pass[_MemoryState] | None,
         following: Pass[_MemoryState] | None,
+        claim: Claim | None = None,
     ) -> _Ahead:
         """Recall (unless an earlier pass brought it), ask the LLM (one retry on an unusable
         answer), apply in one transaction; returns what it prepared for ``upcoming``.
@@ -674,7 +677,10 @@ class OperationRun:
         writes (the recall held for it, :meth:`RecallAhead.after`), while the writes are
         applied — fetching ``following``'s recall on the way. ``upcoming`` uses that call if it
         is still the pass it was started for; it is dropped if this pass's apply fails. Applies
-        stay one at a time and in order: this method returns once its own is done.
+        stay one at a time and in order: this method returns once its own is done. The last
+        pass of a group gives the group's slot (``claim``) back before its apply, so that
+        another group's first call starts meanwhile; the slot is taken again should the apply
+        send the pass back to the model.
 
         With embeddings, the facts' vectors are known since the wave started, and the vectors of
         this pass's written observations are fetched in one request before the apply (with
@@ -714,12 +720,16 @@ class OperationRun:
                 if early is not None and attempt == 1:
                     answer = await early.answer(perf)
                 else:
+                    if claim is not None:
+                        await self._slots.reacquire(claim)  # given back before a failed apply
                     answer = await self._ask(request, chat, perf)
                 write = _pass_write(self.lease, step, answer)
                 if upcoming is not None and upcoming_recall is not None and self._may_start():
                     started_early = self._start_early(
                         upcoming, upcoming_recall.after(write, recalled)
                     )
+                elif upcoming is None and claim is not None:
+                    self._slots.release(claim)  # the group's last answer is in
                 if self.embedder is not None:
                     write, following_recall = await self._with_vectors(
                         write, following_recall, perf

@@ -77,6 +77,24 @@ class SlotAllocator:
                 self._ready.remove(claim)
             raise
 
+    def release(self, claim: Claim) -> None:
+        """Give ``claim``'s slot back before its group is over (it has no LLM call left to make,
+        only its last apply), unless groups are queued behind it: the slot then waits for them
+        (:meth:`finish` hands it to the longest path, most often theirs), since a chain that
+        continues in a later wave is what a run's length hangs on. :meth:`reacquire` takes a
+        slot again should the group need the LLM after all."""
+        if claim.holds and not claim.later:
+            self._release(claim)
+
+    async def reacquire(self, claim: Claim) -> None:
+        """Queue ``claim`` again, as ready, and wait until it holds a slot."""
+        if claim.holds:
+            return
+        claim.granted = asyncio.get_running_loop().create_future()
+        self._ready.append(claim)
+        self._grant()
+        await self.acquire(claim)
+
     def finish(self, claim: Claim) -> None:
         """``claim``'s group is over: free its slot, if it holds one, and let the groups that
         waited on it become ready. Idempotent."""

@@ -380,3 +380,32 @@ async def test_a_pass_asks_the_llm_while_the_previous_applies_and_sees_what_it_w
     # BEFORE and AFTER of one transaction, then the next: the applies never overlapped.
     assert [s for s, _ in steps] == ["BEFORE", "AFTER"] * 3
     assert all(steps[i][1] == steps[i + 1][1] for i in range(0, 6, 2))
+
+
+async def test_a_group_gives_its_slot_back_before_its_last_apply(
+    pool: asyncpg.Pool, database_url: str, fake: FakeLLMServer
+) -> None:
+    # One slot, two groups of one pass each. The first group's apply is held at the gate: the
+    # second group's call must start meanwhile (the first has nothing left to ask the model,
+    # and no later group waits on it).
+    await ingest(pool, "b", topic("Alice", 1, ["alice"]) + topic("Bob", 1, ["bob"]))
+    await pool.execute(APPLY_GATE)
+    gate = await asyncpg.connect(database_url)
+    llm = http_llm(fake.url)
+    try:
+        await gate.execute("SELECT pg_advisory_lock(4242)")
+        settings = Settings(llm_batch_size=1, group_parallelism=1)
+        run = asyncio.create_task(consolidate(pool, "b", llm, settings))
+        calls = await wait_for(
+            lambda: len(fake.stats()["calls"]) >= 2 and fake.stats()["calls"],
+            what="the second group's call while the first group's apply is held",
+        )
+        assert await pool.fetchval("SELECT count(*) FROM consolidation_outcomes") == 0
+        await gate.execute("SELECT pg_advisory_unlock(4242)")
+        end = await asyncio.wait_for(run, 30)
+    finally:
+        await gate.close()
+        await llm.aclose()
+    assert end.status == "completed", end.error
+    assert {c["scope"][0] for c in calls} == {"alice", "bob"}
+    assert fake.stats()["max_in_flight"] == 1  # one slot: never two calls at once

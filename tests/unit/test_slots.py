@@ -138,3 +138,31 @@ async def test_a_waiter_cancelled_while_it_waited_on_an_earlier_writer_is_never_
     slots.finish(blocked)
     slots.finish(other)
     assert slots.free == 1
+
+
+async def test_a_slot_given_back_early_goes_on_and_is_taken_again_only_when_free() -> None:
+    slots = SlotAllocator(1)
+    last = slots.queue(calls=1, wave=1, position=0)  # takes the only slot
+    other = slots.queue(calls=1, wave=1, position=1)
+    slots.release(last)  # its last answer is in; only its apply remains
+    assert granted(last, other) == [False, True]
+    again = asyncio.create_task(slots.reacquire(last))  # the apply sent it back to the model
+    await settle()
+    assert not again.done() and not last.holds
+    slots.finish(other)
+    await asyncio.wait_for(again, 1)
+    assert granted(last, other) == [True, False]
+    slots.finish(last)
+    slots.release(last)  # over: nothing more to give back
+    assert slots.free == 1
+
+
+async def test_a_group_with_a_continuation_keeps_its_slot_for_it() -> None:
+    slots = SlotAllocator(1)
+    head = slots.queue(calls=1, wave=1, position=0)  # takes the only slot
+    short = slots.queue(calls=1, wave=1, position=1)
+    continuation = slots.queue(calls=2, wave=2, position=0, after=[head])
+    slots.release(head)  # not given back: "continuation" would lose its turn to "short"
+    assert granted(head, short, continuation) == [True, False, False]
+    slots.finish(head)
+    assert granted(head, short, continuation) == [False, False, True]
