@@ -103,6 +103,8 @@ _SCRIPT_KEYS = (
 class FakeLLMConfig:
     """Behaviour of the fake; every field can be changed at run time with ``control``."""
 
+    # From the request's arrival to its answer, the fake's own work included (a model's
+    # latency is its whole service time).
     latency_ms: float = 0
     jitter_ms: float = 0
     fail_rate: float = 0.0
@@ -440,15 +442,20 @@ async def _serve(
     plan: _Plan,
     respond: Callable[[], Response],
     finish: Callable[[int | None], None],
+    since: float,
 ) -> Response:
-    """Wait as ``plan`` says, then ``respond()``: a 503 instead if the server is stopping first,
-    nothing if the client leaves first. ``finish`` records the status (None: the client left),
-    before the response is sent, so "ended" never postdates what the client saw."""
+    """Answer ``respond()`` once ``plan``'s delay has passed ``since`` the request arrived (the
+    answer is worked out within it, as a model's is: the latency is the whole service time), a
+    503 instead if the server is stopping first, nothing if the client leaves first. ``finish``
+    records the status (None: the client left), before the response is sent, so "ended" never
+    postdates what the client saw."""
     status: int | None = None
     try:
+        answer = None if plan.hang else respond()
         waited = "elapsed"
         if plan.hang or plan.delay_s > 0:
-            waited = await _wait(receive, None if plan.hang else plan.delay_s, closing)
+            remaining = None if plan.hang else max(0.0, since + plan.delay_s - time.monotonic())
+            waited = await _wait(receive, remaining, closing)
         if waited == "disconnect":
             # Nobody is listening any more; this response is never delivered.
             return Response(status_code=499)
@@ -457,7 +464,8 @@ async def _serve(
                 _Plan(status=503, body="the fake LLM server is shutting down")
             )
         else:
-            response = respond()
+            assert answer is not None  # a plan that hangs never gets here
+            response = answer
         status = response.status_code
         return response
     finally:
@@ -763,6 +771,7 @@ class _FakeLLM:
             plan,
             lambda: self._respond(parsed, plan),
             lambda status: self._finish(call, status),
+            call.record["started"],
         )
 
     def _respond(self, parsed: _Parsed, plan: _Plan) -> Response:
@@ -964,6 +973,7 @@ class _FakeEmbeddings:
             plan,
             lambda: _embeddings_response(plan, inputs, model, dimensions),
             lambda status: self._finish(record, status),
+            record["started"],
         )
 
 
