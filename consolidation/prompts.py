@@ -511,6 +511,8 @@ _PLACEHOLDERS = frozenset(
     }
 )
 _REF_LIKE = re.compile(r"[fo]\d+", re.IGNORECASE)
+# What separates the words of a placeholder: anything but letters, digits and "/" ("n/a").
+_NOT_WORD = re.compile(r"[^\w/]|_")
 # Letters, digits and other symbols (emoji) carry meaning; punctuation and spaces alone do not.
 _MEANINGFUL_CATEGORIES = ("L", "N", "So")
 
@@ -520,7 +522,7 @@ def is_placeholder(text: str) -> bool:
     (``"text"``, ``"<observation text>"``) or a ref (``"f1"``)."""
     if not any(unicodedata.category(ch).startswith(_MEANINGFUL_CATEGORIES) for ch in text):
         return True
-    words = " ".join("".join(ch if ch.isalnum() or ch == "/" else " " for ch in text).split())
+    words = " ".join(_NOT_WORD.sub(" ", text).split())
     return words.lower() in _PLACEHOLDERS or _REF_LIKE.fullmatch(words) is not None
 
 
