@@ -239,14 +239,30 @@ class HTTPEmbedder:
         batch.done.cancel()
 
     async def _embed_now(self, texts: Sequence[str]) -> list[Vector | None]:
-        vectors: list[Vector | None] = []
-        for start in range(0, len(texts), MAX_INPUTS_PER_REQUEST):
-            chunk = list(texts[start : start + MAX_INPUTS_PER_REQUEST])
-            try:
-                vectors.extend(await self._request(chunk))
-            except _Refused as exc:
-                vectors.extend(await self._one_by_one(chunk, exc.detail))
-        return vectors
+        """The texts in requests of at most MAX_INPUTS_PER_REQUEST, sent at once (a batch that
+        holds waves' facts need not make the texts behind them wait several round trips); the
+        first error cancels the others."""
+        chunks = [
+            list(texts[start : start + MAX_INPUTS_PER_REQUEST])
+            for start in range(0, len(texts), MAX_INPUTS_PER_REQUEST)
+        ]
+        if len(chunks) == 1:
+            return await self._embed_chunk(chunks[0])
+        tasks = [asyncio.create_task(self._embed_chunk(chunk)) for chunk in chunks]
+        try:
+            parts = await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            raise
+        return [vector for part in parts for vector in part]
+
+    async def _embed_chunk(self, texts: list[str]) -> list[Vector | None]:
+        try:
+            return list(await self._request(texts))
+        except _Refused as exc:
+            return await self._one_by_one(texts, exc.detail)
 
     async def _one_by_one(self, texts: list[str], detail: str) -> list[Vector | None]:
         """After a refusal: is it the request (configuration) or some of its texts?"""

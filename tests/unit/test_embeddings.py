@@ -14,6 +14,7 @@ import orjson
 import pytest
 
 from consolidation.embeddings import (
+    MAX_INPUTS_PER_REQUEST,
     EmbeddingsConfigError,
     EmbeddingsRetriesExhausted,
     HTTPEmbedder,
@@ -331,6 +332,20 @@ async def test_an_error_of_a_coalesced_request_reaches_every_caller(
     for task in later:
         with pytest.raises(EmbeddingsConfigError):
             await task
+
+
+async def test_the_requests_of_a_large_batch_go_at_once_and_the_first_error_ends_them(
+    fake: FakeLLMServer, make_embedder: Any
+) -> None:
+    # Two requests: the first hangs, the second is refused for auth. Sent one after the other,
+    # the second would never go; sent at once, its error ends the call and the hung one.
+    fake.control(embeddings={"script": [{"hang": True}, {"status": 401}]})
+    texts = [f"text {i}" for i in range(MAX_INPUTS_PER_REQUEST + 2)]
+    with pytest.raises(EmbeddingsConfigError):
+        await make_embedder(fake.url).embed(texts)
+    await wait_for(lambda: fake.stats()["embeddings"]["aborted"] == 1, what="hung request aborted")
+    sizes = sorted(len(c["inputs"]) for c in fake.stats()["embeddings"]["calls"])
+    assert sizes == [2, MAX_INPUTS_PER_REQUEST]
 
 
 def test_invalid_base_url_is_a_config_error() -> None:
