@@ -254,14 +254,10 @@ async def test_a_scoped_operation_only_consolidates_its_scopes(pool: asyncpg.Poo
     assert await markers(pool, "b") == {"consolidated": 2, "failed": 0, "pending": 2}
 
 
-async def test_waves_are_pipelined_but_a_scope_never_runs_twice_at_once_nor_out_of_order(
-    pool: asyncpg.Pool, fake: FakeLLMServer
-) -> None:
-    # Waves of 4: scope "s" has a chain of three calls in wave 1 and one more in wave 2. The
-    # other groups of wave 2 take free slots while wave 1's chain still runs; wave 2's "s"
-    # group waits for wave 1's, and "s" sees its memories in consolidation order.
-    fake.control(latency_ms=40)
-    order = ["s", "s", "s", "a", "s", "b", "c", "d"]
+async def consolidate_notes(
+    pool: asyncpg.Pool, fake: FakeLLMServer, order: list[str], settings: Settings
+) -> Any:
+    """One memory per tag of ``order``, in that consolidation order, consolidated over HTTP."""
     memories = [
         {
             "text": f"Note {i} about topic {tag}",
@@ -273,11 +269,22 @@ async def test_waves_are_pipelined_but_a_scope_never_runs_twice_at_once_nor_out_
     await ingest(pool, "b", memories)
     llm = http_llm(fake.url)
     try:
-        end = await consolidate(
-            pool, "b", llm, Settings(wave_size=4, llm_batch_size=1, group_parallelism=8)
-        )
+        return await consolidate(pool, "b", llm, settings)
     finally:
         await llm.aclose()
+
+
+async def test_waves_are_pipelined_but_a_scope_never_runs_twice_at_once_nor_out_of_order(
+    pool: asyncpg.Pool, fake: FakeLLMServer
+) -> None:
+    # Waves of 4: scope "s" has a chain of three calls in wave 1 and one more in wave 2. The
+    # other groups of wave 2 take free slots while wave 1's chain still runs; wave 2's "s"
+    # group waits for wave 1's, and "s" sees its memories in consolidation order.
+    fake.control(latency_ms=40)
+    order = ["s", "s", "s", "a", "s", "b", "c", "d"]
+    end = await consolidate_notes(
+        pool, fake, order, Settings(wave_size=4, llm_batch_size=1, group_parallelism=8)
+    )
     assert end.status == "completed" and end.summary.waves == 2
     stats = fake.stats()
     assert stats["max_in_flight_per_scope"] == 1
@@ -300,22 +307,9 @@ async def test_a_freed_slot_goes_to_the_chain_that_continues_into_the_next_wave(
     # order, or fetching wave 2 only once no group of wave 1 waited, gave s s a b s s c d.)
     fake.control(latency_ms=30)
     order = ["s", "s", "a", "b", "s", "s", "c", "d"]
-    memories = [
-        {
-            "text": f"Note {i} about topic {tag}",
-            "tags": [tag],
-            "occurred_at": f"2026-01-01T00:00:{i:02d}Z",
-        }
-        for i, tag in enumerate(order)
-    ]
-    await ingest(pool, "b", memories)
-    llm = http_llm(fake.url)
-    try:
-        end = await consolidate(
-            pool, "b", llm, Settings(wave_size=4, llm_batch_size=1, group_parallelism=1)
-        )
-    finally:
-        await llm.aclose()
+    end = await consolidate_notes(
+        pool, fake, order, Settings(wave_size=4, llm_batch_size=1, group_parallelism=1)
+    )
     assert end.status == "completed" and end.summary.waves == 2
     calls = sorted(fake.stats()["calls"], key=lambda c: c["started"])
     assert [c["scope"][0] for c in calls] == ["s", "s", "s", "s", "a", "b", "c", "d"]
@@ -343,6 +337,30 @@ CREATE TRIGGER apply_gate_after AFTER INSERT ON consolidation_outcomes
 """
 
 
+async def two_calls_while_the_first_apply_is_held(
+    pool: asyncpg.Pool, database_url: str, fake: FakeLLMServer, settings: Settings
+) -> tuple[Any, list[dict[str, Any]]]:
+    """Consolidate bank "b" with every apply held at the gate until the fake has seen two
+    calls (which fails unless the second starts while the first apply waits); returns the
+    operation's end and the fake's first calls."""
+    await pool.execute(APPLY_GATE)
+    gate = await asyncpg.connect(database_url)
+    llm = http_llm(fake.url)
+    try:
+        await gate.execute("SELECT pg_advisory_lock(4242)")
+        run = asyncio.create_task(consolidate(pool, "b", llm, settings))
+        calls = await wait_for(
+            lambda: len(fake.stats()["calls"]) >= 2 and fake.stats()["calls"],
+            what="a second call while the first apply is held",
+        )
+        assert await pool.fetchval("SELECT count(*) FROM consolidation_outcomes") == 0
+        await gate.execute("SELECT pg_advisory_unlock(4242)")
+        return await asyncio.wait_for(run, 30), calls
+    finally:
+        await gate.close()
+        await llm.aclose()
+
+
 async def test_a_pass_asks_the_llm_while_the_previous_applies_and_sees_what_it_wrote(
     pool: asyncpg.Pool, database_url: str, fake: FakeLLMServer
 ) -> None:
@@ -350,22 +368,9 @@ async def test_a_pass_asks_the_llm_while_the_previous_applies_and_sees_what_it_w
     # gate; pass 2's LLM call must start all the same, showing what pass 1 is writing, and no
     # apply may start before the one before it has ended.
     await ingest(pool, "b", topic("Alice", 3, ["alice"]))
-    await pool.execute(APPLY_GATE)
-    gate = await asyncpg.connect(database_url)
-    llm = http_llm(fake.url)
-    try:
-        await gate.execute("SELECT pg_advisory_lock(4242)")
-        run = asyncio.create_task(consolidate(pool, "b", llm, Settings(llm_batch_size=1)))
-        calls = await wait_for(
-            lambda: len(fake.stats()["calls"]) >= 2 and fake.stats()["calls"],
-            what="pass 2's call while pass 1's apply is held",
-        )
-        assert await pool.fetchval("SELECT count(*) FROM consolidation_outcomes") == 0
-        await gate.execute("SELECT pg_advisory_unlock(4242)")
-        end = await asyncio.wait_for(run, 30)
-    finally:
-        await gate.close()
-        await llm.aclose()
+    end, calls = await two_calls_while_the_first_apply_is_held(
+        pool, database_url, fake, Settings(llm_batch_size=1)
+    )
     assert end.status == "completed", end.error
     assert calls[0]["observation_texts"] == []
     # Pass 2 updated what pass 1 created (the topic ends in one observation): the text it
@@ -389,23 +394,9 @@ async def test_a_group_gives_its_slot_back_before_its_last_apply(
     # second group's call must start meanwhile (the first has nothing left to ask the model,
     # and no later group waits on it).
     await ingest(pool, "b", topic("Alice", 1, ["alice"]) + topic("Bob", 1, ["bob"]))
-    await pool.execute(APPLY_GATE)
-    gate = await asyncpg.connect(database_url)
-    llm = http_llm(fake.url)
-    try:
-        await gate.execute("SELECT pg_advisory_lock(4242)")
-        settings = Settings(llm_batch_size=1, group_parallelism=1)
-        run = asyncio.create_task(consolidate(pool, "b", llm, settings))
-        calls = await wait_for(
-            lambda: len(fake.stats()["calls"]) >= 2 and fake.stats()["calls"],
-            what="the second group's call while the first group's apply is held",
-        )
-        assert await pool.fetchval("SELECT count(*) FROM consolidation_outcomes") == 0
-        await gate.execute("SELECT pg_advisory_unlock(4242)")
-        end = await asyncio.wait_for(run, 30)
-    finally:
-        await gate.close()
-        await llm.aclose()
+    end, calls = await two_calls_while_the_first_apply_is_held(
+        pool, database_url, fake, Settings(llm_batch_size=1, group_parallelism=1)
+    )
     assert end.status == "completed", end.error
     assert {c["scope"][0] for c in calls} == {"alice", "bob"}
     assert fake.stats()["max_in_flight"] == 1  # one slot: never two calls at once
