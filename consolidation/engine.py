@@ -570,7 +570,10 @@ class OperationRun:
                         _BatchReport(index, step.batch, scopes, batch, PerfLog(memories=len(batch)))
                     )
                 perf = reports[-1].perf
-                self._checkpoint()
+                if not (ahead is not None and ahead.answer is not None and self._graceful_stop()):
+                    # A pass whose call is already under way is a running pass: a shutdown or
+                    # the end of a slice lets it finish (and apply); nothing new starts.
+                    self._checkpoint()
                 prepared, ahead = ahead, None
                 try:
                     try:
@@ -690,6 +693,7 @@ class OperationRun:
         if early is not None and early.recall.request != wanted:
             early.drop(perf)  # the plan changed (a split, a failed member): not this pass's
             early = None
+            self._checkpoint()  # skipped for it: no new call when the operation is stopping
         held = ahead.recall_for(wanted) if ahead is not None else None
         upcoming_recall = None
         if upcoming is not None and ahead is not None:
@@ -796,6 +800,10 @@ class OperationRun:
             ],
             [ObservationInput(o.id, o.text, o.sources, o.updated_at) for o in recalled],
         )
+
+    def _graceful_stop(self) -> bool:
+        """The operation stops, letting running passes finish (a shutdown, a slice's end)."""
+        return self.stop.reason is not None and not self.stop.reason.aborts_at_once
 
     def _may_start(self) -> bool:
         """Whether a pass may start now: nothing asks the operation to stop."""

@@ -11,6 +11,7 @@ import asyncpg
 import pytest
 
 from consolidation import db, store
+from consolidation.engine import StopReason, StopSignal
 from consolidation.fake_llm import FakeLLMServer
 from consolidation.llm import OfflineConsolidator
 from consolidation.settings import Settings
@@ -338,22 +339,28 @@ CREATE TRIGGER apply_gate_after AFTER INSERT ON consolidation_outcomes
 
 
 async def two_calls_while_the_first_apply_is_held(
-    pool: asyncpg.Pool, database_url: str, fake: FakeLLMServer, settings: Settings
+    pool: asyncpg.Pool,
+    database_url: str,
+    fake: FakeLLMServer,
+    settings: Settings,
+    stop: StopSignal | None = None,
 ) -> tuple[Any, list[dict[str, Any]]]:
     """Consolidate bank "b" with every apply held at the gate until the fake has seen two
-    calls (which fails unless the second starts while the first apply waits); returns the
-    operation's end and the fake's first calls."""
+    calls (which fails unless the second starts while the first apply waits) — and ``stop``
+    set to a shutdown then, if given; returns the operation's end and the fake's first calls."""
     await pool.execute(APPLY_GATE)
     gate = await asyncpg.connect(database_url)
     llm = http_llm(fake.url)
     try:
         await gate.execute("SELECT pg_advisory_lock(4242)")
-        run = asyncio.create_task(consolidate(pool, "b", llm, settings))
+        run = asyncio.create_task(consolidate(pool, "b", llm, settings, stop=stop))
         calls = await wait_for(
             lambda: len(fake.stats()["calls"]) >= 2 and fake.stats()["calls"],
             what="a second call while the first apply is held",
         )
         assert await pool.fetchval("SELECT count(*) FROM consolidation_outcomes") == 0
+        if stop is not None:
+            stop.set(StopReason.SHUTDOWN)
         await gate.execute("SELECT pg_advisory_unlock(4242)")
         return await asyncio.wait_for(run, 30), calls
     finally:
@@ -400,3 +407,21 @@ async def test_a_group_gives_its_slot_back_before_its_last_apply(
     assert end.status == "completed", end.error
     assert {c["scope"][0] for c in calls} == {"alice", "bob"}
     assert fake.stats()["max_in_flight"] == 1  # one slot: never two calls at once
+
+
+async def test_a_shutdown_lets_a_pass_whose_call_is_under_way_finish_and_starts_nothing_new(
+    pool: asyncpg.Pool, database_url: str, fake: FakeLLMServer
+) -> None:
+    # Three passes in a chain; pass 2's call is under way (early, 300 ms) while pass 1's apply
+    # is held when the worker is told to shut down: pass 2 is a running pass, so it finishes
+    # and applies (its call is not aborted); pass 3 never starts.
+    fake.control(latency_ms=300)
+    await ingest(pool, "b", topic("Alice", 3, ["alice"]))
+    stop = StopSignal()
+    end, _ = await two_calls_while_the_first_apply_is_held(
+        pool, database_url, fake, Settings(llm_batch_size=1), stop=stop
+    )
+    assert end.error == "interrupted by shutdown"
+    assert await pool.fetchval("SELECT count(*) FROM consolidation_outcomes") == 2
+    stats = fake.stats()
+    assert stats["requests"] == 2 and stats["aborted"] == 0
