@@ -695,9 +695,10 @@ class OperationRun:
             early = None
             self._checkpoint()  # skipped for it: no new call when the operation is stopping
         held = ahead.recall_for(wanted) if ahead is not None else None
+        upcoming_wanted = None if upcoming is None else await self._wanted(upcoming, perf)
         upcoming_recall = None
-        if upcoming is not None and ahead is not None:
-            upcoming_recall = ahead.recall_for(await self._wanted(upcoming, perf))
+        if upcoming_wanted is not None and ahead is not None:
+            upcoming_recall = ahead.recall_for(upcoming_wanted)
         if early is not None:
             recalled, request, chat = early.recall.observations, early.request, early.chat
         else:
@@ -708,8 +709,8 @@ class OperationRun:
                 # The group's first pass (or the first after a split) also fetches the next
                 # pass's recall, which its own apply cannot bring in time for the early call.
                 both = [wanted]
-                if upcoming is not None and upcoming_recall is None:
-                    both.append(await self._wanted(upcoming, perf))
+                if upcoming_wanted is not None and upcoming_recall is None:
+                    both.append(upcoming_wanted)
                 fetched = await store.recall_many(self.pool, self.lease.bank_id, both)
                 perf.recall_s += time.monotonic() - started
                 recalled = fetched[0]

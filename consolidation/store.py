@@ -734,15 +734,9 @@ async def recall(
     """The observations of one scope a pass should see (DESIGN §2, Recall). ``fact_vectors``
     (pgvector text form, None for a fact without one) switches to hybrid ranking; None keeps
     the full-text recall."""
-    if limit <= 0:
-        return []
-    if fact_vectors is None:
-        rows = await conn.fetch(RECALL, bank_id, scope, limit, "\n".join(fact_texts))
-    else:
-        rows = await conn.fetch(
-            RECALL_HYBRID, bank_id, scope, limit, list(fact_texts), list(fact_vectors)
-        )
-    return _recalled(rows)
+    vectors = None if fact_vectors is None else tuple(fact_vectors)
+    request = RecallRequest(scope, tuple(fact_texts), limit, vectors)
+    return (await recall_many(conn, bank_id, [request]))[0]
 
 
 def recall_statement(count: int, hybrid: bool) -> str:
@@ -774,11 +768,7 @@ async def recall_many(
     hybrid = any(r.fact_vectors is not None for _, r in wanted)
     args: list[Any] = []
     for _, r in wanted:
-        if hybrid:
-            vectors = r.fact_vectors or (None,) * len(r.fact_texts)
-            args += [bank_id, r.scope, r.limit, list(r.fact_texts), list(vectors)]
-        else:
-            args += [bank_id, r.scope, r.limit, "\n".join(r.fact_texts)]
+        args += [bank_id, *_recall_args(r, hybrid)]
     rows = await conn.fetch(recall_statement(len(wanted), hybrid), *args)
     for row in rows:
         found[wanted[row["k"]][0]].append(
@@ -884,19 +874,11 @@ async def apply_pass(
         ],
     }
     args: tuple[Any, ...]
-    if embeddings:
-        statement = APPLY_PASS_HYBRID
-        if recall_next is None or recall_next.limit <= 0:
-            args = (None, 0, None, None)
-        else:
-            vectors = recall_next.fact_vectors or (None,) * len(recall_next.fact_texts)
-            args = (recall_next.scope, recall_next.limit, recall_next.fact_texts, vectors)
+    statement = APPLY_PASS_HYBRID if embeddings else APPLY_PASS
+    if recall_next is None or recall_next.limit <= 0:
+        args = (None, 0, None, None) if embeddings else (None, 0, None)
     else:
-        statement = APPLY_PASS
-        if recall_next is None or recall_next.limit <= 0:
-            args = (None, 0, None)
-        else:
-            args = (recall_next.scope, recall_next.limit, "\n".join(recall_next.fact_texts))
+        args = _recall_args(recall_next, embeddings)
     try:
         rows = await pool.fetch(statement, payload, *args)
     except asyncpg.PostgresError as exc:
@@ -905,6 +887,15 @@ async def apply_pass(
     if recall_next is None:
         return None
     return _recalled(rows)
+
+
+def _recall_args(request: RecallRequest, hybrid: bool) -> tuple[Any, ...]:
+    """A recall's arguments after the bank: scope, limit and the facts, as the full-text
+    function takes them (one text) or the hybrid one (texts and their vectors)."""
+    if not hybrid:
+        return (request.scope, request.limit, "\n".join(request.fact_texts))
+    vectors = request.fact_vectors or (None,) * len(request.fact_texts)
+    return (request.scope, request.limit, list(request.fact_texts), list(vectors))
 
 
 def _raise_typed(exc: asyncpg.PostgresError) -> None:
