@@ -48,6 +48,8 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import heapq
+import itertools
 import random
 import socket
 import threading
@@ -416,19 +418,68 @@ async def _wait_for_disconnect(receive: Receive) -> None:
             return
 
 
-async def _wait(receive: Receive, delay_s: float | None, closing: asyncio.Event) -> str:
-    """Wait ``delay_s`` (None: forever). Returns ``"disconnect"`` if the client leaves first,
-    ``"closing"`` if the server is stopping first, else ``"elapsed"``."""
+class _Clock:
+    """Resolves futures at a deadline to within a fraction of a millisecond. The event loop's
+    own timers are coarser (uvloop's count whole milliseconds and fire up to one late), which a
+    benchmark would charge to the engine as time the model did not take: one thread sleeps
+    until the earliest deadline and hands each due future back to its loop."""
+
+    def __init__(self) -> None:
+        self._due = threading.Condition()
+        self._heap: list[tuple[float, int, asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self._order = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def at(self, deadline: float) -> asyncio.Future[None]:
+        """A future of the running loop resolved at ``deadline`` (``time.monotonic()``)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        with self._due:
+            heapq.heappush(self._heap, (deadline, next(self._order), loop, future))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="fake-clock", daemon=True)
+                self._thread.start()
+            self._due.notify()
+        return future
+
+    def _run(self) -> None:
+        with self._due:
+            while True:
+                if not self._heap:
+                    self._due.wait()
+                    continue
+                wait = self._heap[0][0] - time.monotonic()
+                if wait > 0:
+                    self._due.wait(wait)
+                    continue
+                _, _, loop, future = heapq.heappop(self._heap)
+                with contextlib.suppress(RuntimeError):  # its loop has closed meanwhile
+                    loop.call_soon_threadsafe(_resolve, future)
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():  # not cancelled by a client that left
+        future.set_result(None)
+
+
+_CLOCK = _Clock()
+
+
+async def _wait(receive: Receive, deadline: float | None, closing: asyncio.Event) -> str:
+    """Wait until ``deadline`` (``time.monotonic()``; None: forever). Returns ``"disconnect"``
+    if the client leaves first, ``"closing"`` if the server is stopping first, else
+    ``"elapsed"``."""
     disconnect = asyncio.ensure_future(_wait_for_disconnect(receive))
     stopping = asyncio.ensure_future(closing.wait())
+    waiting: set[asyncio.Future[Any]] = {disconnect, stopping}
+    if deadline is not None:
+        waiting.add(_CLOCK.at(deadline))
     try:
-        done, _ = await asyncio.wait(
-            {disconnect, stopping}, timeout=delay_s, return_when=asyncio.FIRST_COMPLETED
-        )
+        done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        pending = [task for task in (disconnect, stopping) if not task.done()]
-        for task in pending:
-            task.cancel()
+        pending = [future for future in waiting if not future.done()]
+        for future in pending:
+            future.cancel()
         if pending:
             await asyncio.wait(pending)
     if disconnect in done:
@@ -454,8 +505,7 @@ async def _serve(
         answer = None if plan.hang else respond()
         waited = "elapsed"
         if plan.hang or plan.delay_s > 0:
-            remaining = None if plan.hang else max(0.0, since + plan.delay_s - time.monotonic())
-            waited = await _wait(receive, remaining, closing)
+            waited = await _wait(receive, None if plan.hang else since + plan.delay_s, closing)
         if waited == "disconnect":
             # Nobody is listening any more; this response is never delivered.
             return Response(status_code=499)
