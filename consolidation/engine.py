@@ -411,7 +411,7 @@ class OperationRun:
                 after=[self._last_writer[s] for s in scopes if s in self._last_writer],
             )
             task = asyncio.create_task(
-                self._queue_group(index, group, reports[index], claim, facts),
+                self._run_group(index, group, reports[index], claim, facts),
                 name=f"wave-{number}-group-{index}",
             )
             # Whatever becomes of the task — even cancelled before it ever ran — its slot, if
@@ -426,19 +426,6 @@ class OperationRun:
 
     def _group_ended(self, claim: Claim, _: asyncio.Task[None]) -> None:
         self._slots.finish(claim)
-
-    async def _queue_group(
-        self,
-        index: int,
-        group: Sequence[_MemoryState],
-        reports: list[_BatchReport],
-        claim: Claim,
-        facts: asyncio.Task[Any] | None,
-    ) -> None:
-        """Wait for the group's slot (after the earlier writers of its scopes), then run it;
-        the slot is freed when the task ends (:meth:`_launch_wave`)."""
-        await self._slots.acquire(claim)
-        await self._run_group(index, group, reports, claim, facts)
 
     async def _run_wave(
         self,
@@ -554,14 +541,25 @@ class OperationRun:
         """The group's passes strictly in order: batch k+1 sees what batch k wrote, and pass
         k+1's LLM call starts once pass k's answer is known, while pass k's writes are applied
         (:meth:`_run_pass`). The group holds its slot (``claim``) while it asks the LLM: it
-        gives it back once its last answer is in, before that pass's apply. With embeddings,
-        they start once the wave's facts are embedded (``facts``)."""
+        gives it back once its last answer is in, before that pass's apply.
+
+        Its first two recalls are fetched before it holds a slot, once it is next in line for
+        one (:meth:`SlotAllocator.on_deck`): nothing else writes its scopes by then (their
+        earlier writers are done, and the groups of its wave write others), and its first LLM
+        call starts the moment a slot is freed. With embeddings, the recalls wait for the
+        wave's facts to be embedded (``facts``)."""
         plan = GroupPlan(group, self.settings.llm_batch_size, _MemoryState.remaining)
         ahead: _Ahead | None = None
+        opening: PerfLog | None = None  # the first recalls' time, for the first batch
         try:
+            await self._slots.on_deck(claim)
             if facts is not None:
                 # Shielded: the request serves the wave's other groups, whatever becomes of us.
                 await asyncio.shield(facts)
+            if self._may_start():
+                opening = PerfLog()
+                ahead = await self._first_recalls(plan, opening)
+            await self._slots.acquire(claim)
             while (step := plan.next()) is not None:
                 if not reports or reports[-1].number != step.batch:
                     batch = plan.batches[step.batch]
@@ -570,6 +568,9 @@ class OperationRun:
                         _BatchReport(index, step.batch, scopes, batch, PerfLog(memories=len(batch)))
                     )
                 perf = reports[-1].perf
+                if opening is not None:
+                    perf += opening
+                    opening = None
                 if not (ahead is not None and ahead.answer is not None and self._graceful_stop()):
                     # A pass whose call is already under way is a running pass: a shutdown or
                     # the end of a slice lets it finish (and apply); nothing new starts.
@@ -600,6 +601,17 @@ class OperationRun:
         finally:
             if ahead is not None and ahead.answer is not None and reports:
                 ahead.answer.drop(reports[-1].perf)  # stopped before the pass it was for
+
+    async def _first_recalls(self, plan: GroupPlan[_MemoryState], perf: PerfLog) -> _Ahead | None:
+        """The recalls of the group's first two passes, in one statement."""
+        first, second = plan.peek(), plan.peek(2)
+        if first is None:
+            return None
+        wanted = [await self._wanted(step, perf) for step in (first, second) if step is not None]
+        started = time.monotonic()
+        fetched = await store.recall_many(self.pool, self.lease.bank_id, wanted)
+        perf.recall_s += time.monotonic() - started
+        return _Ahead(tuple(RecallAhead(w, o) for w, o in zip(wanted, fetched, strict=True)))
 
     def _fail(self, member: _MemoryState, scope: Scope, exc: InvalidLLMOutput) -> None:
         member.failure = str(exc)[:MAX_FAILURE_REASON_CHARS]

@@ -34,6 +34,10 @@ class Claim:
     granted: asyncio.Future[None] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future(), repr=False
     )
+    # Set once the claim is ready and among the next in line for a slot (or holds one).
+    on_deck: asyncio.Future[None] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future(), repr=False
+    )
     holds: bool = False  # a slot is this claim's
     done: bool = False
 
@@ -43,13 +47,16 @@ class SlotAllocator:
 
     A claim waits in :meth:`acquire` and must be ended with :meth:`finish` (whether it ran,
     failed, or was cancelled before it ever started): that frees its slot, if it holds one, and
-    lets the claims queued behind it become ready.
+    lets the claims queued behind it become ready. Before that, :meth:`on_deck` tells a claim
+    that it is among the ``deck`` ready claims a freed slot goes to first (as things stand:
+    paths may still grow), so its group can prepare what it needs before it holds a slot.
     """
 
-    def __init__(self, slots: int) -> None:
+    def __init__(self, slots: int, deck: int | None = None) -> None:
         if slots < 1:
             raise ValueError("at least one slot is needed")
         self.free = slots
+        self._deck = slots if deck is None else deck
         self._ready: list[Claim] = []  # every earlier writer done; not granted yet
 
     def queue(self, calls: int, wave: int, position: int, after: Iterable[Claim] = ()) -> Claim:
@@ -77,13 +84,18 @@ class SlotAllocator:
                 self._ready.remove(claim)
             raise
 
+    async def on_deck(self, claim: Claim) -> None:
+        """Wait until ``claim`` is ready and among the next in line for a slot, or holds one."""
+        await claim.on_deck
+
     def release(self, claim: Claim) -> None:
-        """Give ``claim``'s slot back before its group is over (it has no LLM call left to make,
-        only its last apply), unless groups are queued behind it: the slot then waits for them
-        (:meth:`finish` hands it to the longest path, most often theirs), since a chain that
-        continues in a later wave is what a run's length hangs on. :meth:`reacquire` takes a
-        slot again should the group need the LLM after all."""
-        if claim.holds and not claim.later:
+        """Give ``claim``'s slot back before its group is over: it has no LLM call left to make,
+        only its last apply. Also when groups wait on it: holding the slot through the apply
+        for them idles it for an apply on every chain's step into the next wave, while the
+        continuation, once ready, takes the next slot freed before groups with shorter paths
+        (measured: docs/benchmarks.md, #16). :meth:`reacquire` takes a slot again should the
+        group need the LLM after all."""
+        if claim.holds:
             self._release(claim)
 
     async def reacquire(self, claim: Claim) -> None:
@@ -105,6 +117,8 @@ class SlotAllocator:
             self._ready.remove(claim)
         if not claim.granted.done():
             claim.granted.cancel()
+        if not claim.on_deck.done():
+            claim.on_deck.cancel()
         for waiting in claim.later:
             waiting.after.discard(claim)
             if not waiting.after and not waiting.done and not waiting.granted.done():
@@ -121,16 +135,24 @@ class SlotAllocator:
         self._grant()
 
     def _grant(self) -> None:
-        while self.free > 0:
-            # A claim whose waiter was just cancelled leaves the list when that waiter wakes.
-            ready = [c for c in self._ready if not c.granted.done()]
-            if not ready:
-                return
-            best = min(ready, key=lambda c: (-c.path, c.wave, c.position))
+        # A claim whose waiter was just cancelled leaves the list when that waiter wakes.
+        ready = [c for c in self._ready if not c.granted.done()]
+        ready.sort(key=_turn)
+        granted = ready[: self.free]
+        for best in granted:
             self._ready.remove(best)
             best.holds = True
             self.free -= 1
             best.granted.set_result(None)
+        for claim in ready[: len(granted) + self._deck]:
+            if not claim.on_deck.done():
+                claim.on_deck.set_result(None)
+
+
+def _turn(claim: Claim) -> tuple[int, int, int]:
+    """The order in which ready claims get a slot: the longest path first, then the older
+    wave, then the wave's own order."""
+    return (-claim.path, claim.wave, claim.position)
 
 
 def _lengthen(claim: Claim, later_path: int) -> None:

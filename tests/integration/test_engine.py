@@ -302,9 +302,10 @@ async def test_a_freed_slot_goes_to_the_chain_that_continues_into_the_next_wave(
     pool: asyncpg.Pool, fake: FakeLLMServer
 ) -> None:
     # One slot, waves of 4, one call per memory. Wave 1: "s" (2 calls), then "a", "b"; wave 2:
-    # "s" again (2 calls), then "c", "d". When wave 1's "s" ends, its continuation in wave 2 has
-    # the longest remaining path (2 calls against 1) and takes the slot before "a" and "b",
-    # which were ready long before; equal paths then go in wave order. (Waiting in arrival
+    # "s" again (2 calls), then "c", "d". Once wave 1's "s" has its last answer it gives the
+    # slot back for its apply, and "a" takes it; its continuation in wave 2 is ready when that
+    # apply is done and takes the next slot freed, before "b", ready long before: its remaining
+    # path is longer (2 calls against 1). Equal paths go in wave order. (Waiting in arrival
     # order, or fetching wave 2 only once no group of wave 1 waited, gave s s a b s s c d.)
     fake.control(latency_ms=30)
     order = ["s", "s", "a", "b", "s", "s", "c", "d"]
@@ -313,10 +314,15 @@ async def test_a_freed_slot_goes_to_the_chain_that_continues_into_the_next_wave(
     )
     assert end.status == "completed" and end.summary.waves == 2
     calls = sorted(fake.stats()["calls"], key=lambda c: c["started"])
-    assert [c["scope"][0] for c in calls] == ["s", "s", "s", "s", "a", "b", "c", "d"]
-    assert [c["fact_texts"][0] for c in calls][:4] == [
-        f"Note {i} about topic s" for i in (0, 1, 4, 5)
-    ]
+    assert [c["scope"][0] for c in calls] == ["s", "s", "a", "s", "s", "b", "c", "d"]
+    chain = [c for c in calls if c["scope"] == ["s"]]
+    assert [c["fact_texts"][0] for c in chain] == [f"Note {i} about topic s" for i in (0, 1, 4, 5)]
+    # Each pass of the chain updated the one observation, and saw the text it replaced: wave
+    # 2's group fetched its first recall before it had a slot, but after wave 1's last apply.
+    replaced = await pool.fetch(
+        "SELECT previous_text FROM observation_history WHERE scope = '{s}' ORDER BY version"
+    )
+    assert [c["observation_texts"] for c in chain[1:]] == [[r["previous_text"]] for r in replaced]
 
 
 # Each apply's outcomes, logged when they are written and after: an apply waits at the gate (an

@@ -157,12 +157,43 @@ async def test_a_slot_given_back_early_goes_on_and_is_taken_again_only_when_free
     assert slots.free == 1
 
 
-async def test_a_group_with_a_continuation_keeps_its_slot_for_it() -> None:
+async def test_a_continuation_takes_the_next_slot_freed_once_it_is_ready() -> None:
     slots = SlotAllocator(1)
     head = slots.queue(calls=1, wave=1, position=0)  # takes the only slot
     short = slots.queue(calls=1, wave=1, position=1)
+    other = slots.queue(calls=1, wave=1, position=2)
     continuation = slots.queue(calls=2, wave=2, position=0, after=[head])
-    slots.release(head)  # not given back: "continuation" would lose its turn to "short"
-    assert granted(head, short, continuation) == [True, False, False]
-    slots.finish(head)
-    assert granted(head, short, continuation) == [False, False, True]
+    slots.release(head)  # given back all the same: the slot would idle through head's apply
+    assert granted(head, short, other, continuation) == [False, True, False, False]
+    slots.finish(head)  # its apply is done: the continuation is ready, behind "short"
+    assert granted(short, other, continuation) == [True, False, False]
+    slots.finish(short)  # before "other", ready since the start: its path is longer
+    assert granted(other, continuation) == [False, True]
+
+
+def on_deck(*claims: Claim) -> list[bool]:
+    return [claim.on_deck.done() for claim in claims]
+
+
+async def test_the_ready_claims_next_in_line_are_on_deck() -> None:
+    slots = SlotAllocator(1, deck=2)
+    running = slots.queue(calls=1, wave=1, position=0)
+    three = slots.queue(calls=3, wave=1, position=1)
+    two = slots.queue(calls=2, wave=1, position=2)
+    one = slots.queue(calls=1, wave=1, position=3)
+    assert on_deck(running, three, two, one) == [True, True, True, False]
+    slots.finish(running)  # "three" takes the slot; "one" moves up
+    assert granted(three) == [True] and on_deck(one, two) == [True, True]
+
+
+async def test_a_claim_is_on_deck_only_once_its_earlier_writers_are_done() -> None:
+    slots = SlotAllocator(1, deck=4)
+    running = slots.queue(calls=1, wave=1, position=0)
+    behind = slots.queue(calls=5, wave=2, position=0, after=[running])
+    assert on_deck(running, behind) == [True, False]
+    task = asyncio.create_task(slots.on_deck(behind))
+    await settle()
+    assert not task.done()
+    slots.finish(running)
+    await asyncio.wait_for(task, 1)
+    assert granted(behind) == [True]
