@@ -16,6 +16,8 @@ it is cancelled, and then the operation is ending anyway.
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -40,6 +42,7 @@ class Claim:
     )
     holds: bool = False  # a slot is this claim's
     done: bool = False
+    place: str | None = None  # ready without a slot: "deck" or "waiting" (SlotAllocator)
 
 
 class SlotAllocator:
@@ -56,8 +59,12 @@ class SlotAllocator:
         if slots < 1:
             raise ValueError("at least one slot is needed")
         self.free = slots
-        self._deck = slots if deck is None else deck
-        self._ready: list[Claim] = []  # every earlier writer done; not granted yet
+        self._deck_size = slots if deck is None else deck
+        # Ready claims (every earlier writer done, no slot): the next in line on deck, the rest
+        # in a heap by turn. A claim whose path grows is pushed again; its old entry is stale.
+        self._deck: list[Claim] = []
+        self._waiting: list[tuple[tuple[int, int, int], int, Claim]] = []
+        self._pushed = itertools.count()
 
     def queue(self, calls: int, wave: int, position: int, after: Iterable[Claim] = ()) -> Claim:
         """Queue a group behind ``after`` (those already done are ignored); it is granted a slot
@@ -66,9 +73,9 @@ class SlotAllocator:
         claim.after = {earlier for earlier in after if not earlier.done}
         for earlier in claim.after:
             earlier.later.append(claim)
-            _lengthen(earlier, claim.path)
+            self._lengthen(earlier, claim.path)
         if not claim.after:
-            self._ready.append(claim)
+            self._wait(claim)
             self._grant()
         return claim
 
@@ -80,8 +87,8 @@ class SlotAllocator:
         except asyncio.CancelledError:
             if claim.holds:  # granted, but the waiter was cancelled before it woke up
                 self._release(claim)
-            elif claim in self._ready:
-                self._ready.remove(claim)
+            else:
+                self._unqueue(claim)
             raise
 
     async def on_deck(self, claim: Claim) -> None:
@@ -103,7 +110,8 @@ class SlotAllocator:
         if claim.holds:
             return
         claim.granted = asyncio.get_running_loop().create_future()
-        self._ready.append(claim)
+        claim.place = "deck"  # it has prepared already
+        self._deck.append(claim)
         self._grant()
         await self.acquire(claim)
 
@@ -113,8 +121,7 @@ class SlotAllocator:
         if claim.done:
             return
         claim.done = True
-        if claim in self._ready:
-            self._ready.remove(claim)
+        self._unqueue(claim)
         if not claim.granted.done():
             claim.granted.cancel()
         if not claim.on_deck.done():
@@ -122,7 +129,7 @@ class SlotAllocator:
         for waiting in claim.later:
             waiting.after.discard(claim)
             if not waiting.after and not waiting.done and not waiting.granted.done():
-                self._ready.append(waiting)
+                self._wait(waiting)
         claim.later.clear()
         if claim.holds:
             self._release(claim)
@@ -134,32 +141,65 @@ class SlotAllocator:
         self.free += 1
         self._grant()
 
+    def _wait(self, claim: Claim) -> None:
+        claim.place = "waiting"
+        heapq.heappush(self._waiting, (_turn(claim), next(self._pushed), claim))
+
+    def _unqueue(self, claim: Claim) -> None:
+        if claim.place == "deck":
+            self._deck.remove(claim)
+        claim.place = None  # a heap entry left behind is stale
+
+    def _first_waiting(self) -> Claim | None:
+        """The waiting claim whose turn comes first, left in the heap; stale entries dropped."""
+        while self._waiting:
+            turn, _, claim = self._waiting[0]
+            if claim.place == "waiting" and turn == _turn(claim) and not claim.granted.done():
+                return claim
+            heapq.heappop(self._waiting)
+            if claim.place == "waiting" and turn == _turn(claim):
+                claim.place = None  # its waiter was cancelled: it leaves when that wakes
+        return None
+
     def _grant(self) -> None:
-        # A claim whose waiter was just cancelled leaves the list when that waiter wakes.
-        ready = [c for c in self._ready if not c.granted.done()]
-        ready.sort(key=_turn)
-        granted = ready[: self.free]
-        for best in granted:
-            self._ready.remove(best)
+        while self.free > 0:
+            # A claim whose waiter was just cancelled leaves when that waiter wakes.
+            ready = [c for c in self._deck if not c.granted.done()]
+            best = min(ready, key=_turn, default=None)
+            first = self._first_waiting()
+            if first is not None and (best is None or _turn(first) < _turn(best)):
+                heapq.heappop(self._waiting)
+                best = first
+            elif best is not None:
+                self._deck.remove(best)
+            else:
+                break
+            best.place = None
             best.holds = True
             self.free -= 1
             best.granted.set_result(None)
-        for claim in ready[: len(granted) + self._deck]:
-            if not claim.on_deck.done():
-                claim.on_deck.set_result(None)
+            if not best.on_deck.done():
+                best.on_deck.set_result(None)
+        while len(self._deck) < self._deck_size and (first := self._first_waiting()) is not None:
+            heapq.heappop(self._waiting)
+            first.place = "deck"
+            self._deck.append(first)
+            if not first.on_deck.done():
+                first.on_deck.set_result(None)
+
+    def _lengthen(self, claim: Claim, later_path: int) -> None:
+        """A claim waiting on ``claim`` has a path of ``later_path``: lengthen ``claim``'s path,
+        and those of the claims it waits on, where that makes them longer."""
+        path = claim.calls + later_path
+        if path > claim.path:
+            claim.path = path
+            if claim.place == "waiting":
+                self._wait(claim)  # its turn moved up
+            for earlier in claim.after:
+                self._lengthen(earlier, path)
 
 
 def _turn(claim: Claim) -> tuple[int, int, int]:
     """The order in which ready claims get a slot: the longest path first, then the older
     wave, then the wave's own order."""
     return (-claim.path, claim.wave, claim.position)
-
-
-def _lengthen(claim: Claim, later_path: int) -> None:
-    """A claim waiting on ``claim`` has a path of ``later_path``: lengthen ``claim``'s path, and
-    those of the claims it waits on, where that makes them longer."""
-    path = claim.calls + later_path
-    if path > claim.path:
-        claim.path = path
-        for earlier in claim.after:
-            _lengthen(earlier, path)
