@@ -665,7 +665,7 @@ class _FakeLLM:
         routing and middleware (a seventh of the fake's CPU under load); the rest, including
         a chat path asked with another method, goes through them."""
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in _CHAT_PATHS:
-            response = await self._chat(Request(scope, receive))
+            response = await self._chat(Request(scope, receive), arrived=time.monotonic())
             await response(scope, receive, send)
             return
         if (
@@ -753,7 +753,9 @@ class _FakeLLM:
 
     # --- request accounting -----------------------------------------------------------------
 
-    def _begin(self, parsed: _Parsed, authorization: str | None) -> tuple[_Call, _Plan]:
+    def _begin(
+        self, parsed: _Parsed, authorization: str | None, arrived: float
+    ) -> tuple[_Call, _Plan]:
         with self._lock:
             config = self._config
             scope_key = None
@@ -765,7 +767,7 @@ class _FakeLLM:
                 "fact_texts": parsed.fact_texts,
                 "observation_texts": _observation_texts(parsed.user),
                 "status": None,
-                "started": time.monotonic(),
+                "started": arrived,
                 "ended": None,
                 "response_format": parsed.response_format,
                 "schema": parsed.schema,
@@ -812,9 +814,12 @@ class _FakeLLM:
 
     # --- endpoints --------------------------------------------------------------------------
 
-    async def _chat(self, request: Request) -> Response:
+    async def _chat(self, request: Request, arrived: float | None = None) -> Response:
+        """A chat completion; its latency runs from the request's arrival (``arrived``, else
+        now), so that reading and parsing it are part of the service time, as a model's are."""
+        arrived = time.monotonic() if arrived is None else arrived
         parsed = _parse(await request.body())
-        call, plan = self._begin(parsed, request.headers.get("authorization"))
+        call, plan = self._begin(parsed, request.headers.get("authorization"), arrived)
         return await _serve(
             request.receive,
             self._closing_event(),
