@@ -513,6 +513,8 @@ _PLACEHOLDERS = frozenset(
 _REF_LIKE = re.compile(r"[fo]\d+", re.IGNORECASE)
 # What separates the words of a placeholder: anything but letters, digits and "/" ("n/a").
 _NOT_WORD = re.compile(r"[^\w/]|_")
+_WORD_RUN = re.compile(r"(?:[^\W_]|/)+")
+_PLACEHOLDER_CHARS = max(map(len, _PLACEHOLDERS))
 # Letters, digits and other symbols (emoji) carry meaning; punctuation and spaces alone do not.
 _MEANINGFUL_CATEGORIES = ("L", "N", "So")
 
@@ -522,6 +524,13 @@ def is_placeholder(text: str) -> bool:
     (``"text"``, ``"<observation text>"``) or a ref (``"f1"``)."""
     if not any(unicodedata.category(ch).startswith(_MEANINGFUL_CATEGORIES) for ch in text):
         return True
+    # Two words or more that are longer together than any placeholder: neither a placeholder
+    # nor a ref. Decided within the first words of an observation, not over all its text.
+    length = -1
+    for count, run in enumerate(_WORD_RUN.finditer(text), start=1):
+        length += len(run.group()) + 1
+        if count >= 2 and length > _PLACEHOLDER_CHARS:
+            return False
     words = " ".join(_NOT_WORD.sub(" ", text).split())
     return words.lower() in _PLACEHOLDERS or _REF_LIKE.fullmatch(words) is not None
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+import unicodedata
 from dataclasses import fields
 from datetime import UTC, datetime
 from itertools import combinations
@@ -18,6 +20,7 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
+from consolidation import prompts as prompts_module
 from consolidation.errors import InvalidLLMOutput, ValidationError
 from consolidation.memories import parse_memory
 from consolidation.perf import PerfLog
@@ -163,6 +166,29 @@ def _request(n_facts: int, n_observations: int) -> PassRequest:
         for i in range(1, n_observations + 1)
     ]
     return build_request("bank", ("t",), None, facts, observations)
+
+
+def _placeholder_by_its_definition(text: str) -> bool:
+    """is_placeholder without its shortcut: the whole text normalised, then compared."""
+    if not any(unicodedata.category(c).startswith(("L", "N", "So")) for c in text):
+        return True
+    words = " ".join(re.sub(r"[^\w/]|_", " ", text).split())
+    return words.lower() in prompts_module._PLACEHOLDERS or bool(
+        re.fullmatch(r"[fo]\d+", words, re.IGNORECASE)
+    )
+
+
+_placeholder_parts = st.sampled_from(
+    [*sorted(prompts_module._PLACEHOLDERS), "f1", "O22", "f" + "9" * 30, "…", " ", "_", "/"]
+)
+
+
+@given(
+    st.lists(st.one_of(_placeholder_parts, st.text(max_size=8)), max_size=6).map("".join)
+    | st.lists(_placeholder_parts, max_size=4).map(" - ".join)
+)
+def test_a_placeholder_is_told_from_its_first_words_as_from_the_whole_text(text: str) -> None:
+    assert is_placeholder(text) == _placeholder_by_its_definition(text)
 
 
 # Texts that say something: not blank, and not a placeholder (those are a violation below).
