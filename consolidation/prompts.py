@@ -7,6 +7,7 @@ each ref stands for and :func:`parse_answer` maps them back, rejecting anything 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import unicodedata
 from collections.abc import Mapping, Sequence
@@ -94,14 +95,20 @@ class PassRequest:
     user_content: str
     fact_refs: Mapping[str, UUID]
     observation_refs: Mapping[str, UUID]
-    # The texts the model was shown, whitespace collapsed: repeating them is never a placeholder.
-    input_texts: frozenset[str] = frozenset()
+    shown: tuple[str, ...] = ()  # the facts' and observations' texts, as the model saw them
+
+    @functools.cached_property
+    def input_texts(self) -> frozenset[str]:
+        """The texts the model was shown, whitespace collapsed: repeating them is never a
+        placeholder. Worked out only for an answer text that looks like one."""
+        return frozenset(_collapsed(text) for text in self.shown)
 
 
 def _collapsed(text: str) -> str:
     return " ".join(text.split())
 
 
+@functools.lru_cache(maxsize=4096)  # an observation's time comes back with every recall
 def _utc_iso(value: datetime) -> str:
     # Naive datetimes come from the database as UTC; seconds are all the model needs.
     if value.tzinfo is not None:
@@ -146,9 +153,7 @@ def build_request(
         user_content=orjson.dumps(payload).decode(),
         fact_refs=fact_refs,
         observation_refs=observation_refs,
-        input_texts=frozenset(
-            _collapsed(text) for text in (*(f.text for f in facts), *(o.text for o in observations))
-        ),
+        shown=(*(f.text for f in facts), *(o.text for o in observations)),
     )
 
 
