@@ -103,7 +103,12 @@ _SCRIPT_KEYS = (
 
 @dataclass
 class FakeLLMConfig:
-    """Behaviour of the fake; every field can be changed at run time with ``control``."""
+    """Behaviour of the fake; every field can be changed at run time with ``control``.
+
+    A fault can follow a request's content rather than its order: a chat request whose body
+    contains ``fail_when_contains`` (as sent, JSON-escaped) is answered ``fail_when_status``,
+    whatever the script and ``fail_rate`` say and without consuming a script item — say, a 401
+    for the passes that carry one memory, wherever they fall in the request order."""
 
     # From the request's arrival to its answer, the fake's own work included (a model's
     # latency is its whole service time).
@@ -111,6 +116,8 @@ class FakeLLMConfig:
     jitter_ms: float = 0
     fail_rate: float = 0.0
     fail_status: int = 503
+    fail_when_contains: str | None = None
+    fail_when_status: int = 503
     retry_after_s: float | None = None
     pad_bytes: int = 0
     api_key: str | None = None
@@ -754,7 +761,7 @@ class _FakeLLM:
     # --- request accounting -----------------------------------------------------------------
 
     def _begin(
-        self, parsed: _Parsed, authorization: str | None, arrived: float
+        self, body: bytes, parsed: _Parsed, authorization: str | None, arrived: float
     ) -> tuple[_Call, _Plan]:
         with self._lock:
             config = self._config
@@ -799,6 +806,9 @@ class _FakeLLM:
                 (config.latency_ms + self._rng.uniform(-config.jitter_ms, config.jitter_ms))
                 / 1000.0,
             )
+            poison = config.fail_when_contains
+            if poison is not None and poison.encode() in body:
+                return call, _Plan(delay_s=delay_s, status=config.fail_when_status)
             answer = _Plan(delay_s=delay_s, config=config)
             return call, _next_plan(self._script, answer, config, self._rng)
 
@@ -818,8 +828,9 @@ class _FakeLLM:
         """A chat completion; its latency runs from the request's arrival (``arrived``, else
         now), so that reading and parsing it are part of the service time, as a model's are."""
         arrived = time.monotonic() if arrived is None else arrived
-        parsed = _parse(await request.body())
-        call, plan = self._begin(parsed, request.headers.get("authorization"), arrived)
+        body = await request.body()
+        parsed = _parse(body)
+        call, plan = self._begin(body, parsed, request.headers.get("authorization"), arrived)
         return await _serve(
             request.receive,
             self._closing_event(),

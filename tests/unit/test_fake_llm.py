@@ -189,6 +189,23 @@ async def test_script_items_are_consumed_in_order(
     assert fake.stats()["script_pending"] == 0
 
 
+async def test_a_request_containing_fail_when_contains_gets_fail_when_status(
+    fake: FakeLLMServer, http: httpx.AsyncClient
+) -> None:
+    # Whatever its place in the order: the script item waits for the next other request.
+    fake.control(fail_when_contains="Mallory", fail_when_status=401, script=[{"status": 503}])
+    poisoned = await http.post("/chat/completions", json=chat_body("a", "Mallory lives in Rome."))
+    assert poisoned.status_code == 401
+    assert "error" in poisoned.json()
+    assert fake.stats()["script_pending"] == 1
+    scripted = await http.post("/chat/completions", json=chat_body("Alice lives in Paris."))
+    clean = await http.post("/chat/completions", json=chat_body("Alice lives in Paris."))
+    again = await http.post("/chat/completions", json=chat_body("Mallory is back."))
+    assert (scripted.status_code, clean.status_code, again.status_code) == (503, 200, 401)
+    fake.control(fail_when_contains=None)
+    assert (await http.post("/chat/completions", json=chat_body("Mallory"))).status_code == 200
+
+
 def test_invalid_control_is_rejected(fake: FakeLLMServer) -> None:
     with pytest.raises(ValueError, match="unknown"):
         fake.control(latency=5)
