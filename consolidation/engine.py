@@ -357,7 +357,12 @@ class OperationRun:
                 if not in_flight:
                     return self.summary
                 await asyncio.wait({in_flight[0]})
-                in_flight.popleft().result()  # the wave's error, if any, ends the run
+                if in_flight[0].exception() is not None:
+                    # Its error may only say that a group of a later wave failed for good
+                    # (_SiblingFailed): the error of the run is the weightiest of all the waves'.
+                    await asyncio.wait(in_flight)
+                    raise _first_error([e for t in in_flight if (e := t.exception()) is not None])
+                in_flight.popleft()
         except asyncio.CancelledError:
             for task in in_flight:
                 task.cancel()

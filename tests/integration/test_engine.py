@@ -10,7 +10,7 @@ from typing import Any
 import asyncpg
 import pytest
 
-from consolidation import db, store
+from consolidation import db, queue, store
 from consolidation.engine import StopReason, StopSignal
 from consolidation.fake_llm import FakeLLMServer
 from consolidation.llm import OfflineConsolidator
@@ -21,8 +21,10 @@ from tests.integration.engine_helpers import (
     ingest,
     markers,
     observations_by_scope,
+    run_next,
     wait_for,
 )
+from tests.invariants import assert_consistent
 
 
 def topic(person: str, n: int, tags: list[str], **extra: Any) -> list[dict[str, Any]]:
@@ -431,3 +433,69 @@ async def test_a_shutdown_lets_a_pass_whose_call_is_under_way_finish_and_starts_
     assert await pool.fetchval("SELECT count(*) FROM consolidation_outcomes") == 2
     stats = fake.stats()
     assert stats["requests"] == 2 and stats["aborted"] == 0
+
+
+async def test_a_group_failing_for_good_in_a_later_wave_fails_the_operation_with_its_error(
+    pool: asyncpg.Pool, database_url: str, fake: FakeLLMServer
+) -> None:
+    # Waves of 4, one memory per pass: wave 1 is one chain in "s"; wave 2's "p" memory is
+    # answered 401 (a configuration error). Both groups start at once and their calls take
+    # 200 ms, so the 401 comes while wave 1's first pass runs; its apply is held at the gate
+    # until then. Wave 1's chain stops for it before its next pass: the operation must fail at
+    # once with the 401 — not with the stop its sibling was told — and wave 1's apply is marked.
+    await pool.execute(APPLY_GATE)
+    fake.control(latency_ms=200, fail_when_contains="[[revoked]]", fail_when_status=401)
+    order = ["s"] * 4 + ["p"] + ["s"] * 5
+    ids = await ingest(
+        pool,
+        "b",
+        [
+            {
+                "text": f"Note {i} about topic {tag}" + (" [[revoked]]" if tag == "p" else ""),
+                "tags": [tag],
+                "occurred_at": f"2026-01-01T00:00:{i:02d}Z",
+            }
+            for i, tag in enumerate(order)
+        ],
+    )
+    op = (await queue.submit(pool, "b", max_attempts=3)).operation
+    settings = Settings(wave_size=4, llm_batch_size=1)
+    gate = await asyncpg.connect(database_url)
+    llm = http_llm(fake.url)
+    try:
+        await gate.execute("SELECT pg_advisory_lock(4242)")
+        run = asyncio.create_task(run_next(pool, llm, settings))
+        await wait_for(lambda: fake.stats()["statuses"].get(401), what="wave 2's 401")
+        await wait_for(
+            lambda: pool.fetchval(
+                "SELECT count(*) FROM pg_locks"
+                " WHERE locktype = 'advisory' AND objid = 4242 AND NOT granted"
+            ),
+            what="wave 1's first apply at the gate",
+        )
+        await gate.execute("SELECT pg_advisory_unlock(4242)")
+        end = await asyncio.wait_for(run, 30)
+    finally:
+        await gate.close()
+        await llm.aclose()
+    assert end.status == "failed", end.error
+    assert end.error is not None and "LLMConfigError" in end.error and "401" in end.error
+    row = await queue.get_operation(pool, op.id)
+    assert (row.status, row.attempt, row.error) == ("failed", 1, end.error)
+    assert fake.stats()["statuses"][401] == 1  # no retry of a configuration error
+    marked = await pool.fetch("SELECT id FROM memories WHERE consolidated_at IS NOT NULL")
+    assert [r["id"] for r in marked] == [ids[0]]
+    await assert_consistent(pool, allow_pending=True)
+
+    # The key fixed, the next operation finishes the bank and applies nothing twice.
+    fake.control(fail_when_contains=None)
+    await queue.submit(pool, "b")
+    llm = http_llm(fake.url)
+    try:
+        again = await run_next(pool, llm, settings)
+    finally:
+        await llm.aclose()
+    assert again.status == "completed", again.error
+    census = await assert_consistent(pool)
+    assert (census.consolidated, census.outcomes) == (10, 10)
+    assert census.observations_per_scope == {("b", ("p",)): 1, ("b", ("s",)): 1}
