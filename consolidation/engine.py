@@ -558,6 +558,9 @@ class OperationRun:
         opening: PerfLog | None = None  # the first recalls' time, for the first batch
         try:
             await self._slots.on_deck(claim)
+            # Put on deck by a grant, most often: let the group granted the slot send its LLM
+            # request first (on Python 3.11 aiohttp writes it in a task queued behind us).
+            await asyncio.sleep(0)
             if facts is not None:
                 # Shielded: the request serves the wave's other groups, whatever becomes of us.
                 await asyncio.shield(facts)
