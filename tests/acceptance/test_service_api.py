@@ -11,7 +11,7 @@ import pytest
 
 from consolidation.fake_llm import FakeLLMServer
 from tests.acceptance.harness import ServiceProcess
-from tests.integration.engine_helpers import markers, wait_for
+from tests.integration.engine_helpers import grew, markers, wait_for
 
 pytestmark = pytest.mark.acceptance
 
@@ -49,6 +49,11 @@ async def test_ingest_consolidate_and_cancel_a_running_operation_over_http(
         assert submitted.status_code == 202 and submitted.json()["deduplicated"] is False
         operation_id = submitted.json()["operation_id"]
         await wait_for(lambda: fake.stats()["requests"] >= 2, what="the hanging LLM call")
+        # The second call starts once the first answer is in, while the first pass applies.
+        await wait_for(
+            lambda: grew(pool, "SELECT count(*) FROM consolidation_outcomes", 1),
+            what="the first pass's apply",
+        )
         assert (await client.get(f"/v1/operations/{operation_id}")).json()["status"] == "running"
 
         cancel = await client.post(f"/v1/operations/{operation_id}/cancel")

@@ -12,7 +12,14 @@ import pytest
 from consolidation import queue
 from consolidation.fake_llm import FakeLLMServer
 from tests.acceptance.harness import ServiceProcess, worker_env
-from tests.integration.engine_helpers import ingest, markers, topics, wait_completed, wait_for
+from tests.integration.engine_helpers import (
+    grew,
+    ingest,
+    markers,
+    topics,
+    wait_completed,
+    wait_for,
+)
 
 pytestmark = pytest.mark.acceptance
 
@@ -150,6 +157,11 @@ async def test_sigterm_past_the_grace_period_cancels_in_flight_calls_and_still_h
     worker = ServiceProcess("worker", tmp_path, env, "--no-api")
     services.append(worker)
     await wait_for(lambda: fake.stats()["requests"] >= 2, what="the hanging call")
+    # The second call starts once the first answer is in, while the first pass applies.
+    await wait_for(
+        lambda: grew(pool, "SELECT count(*) FROM consolidation_outcomes", 1),
+        what="the first pass's apply",
+    )
     worker.signal(signal.SIGTERM)
     assert worker.wait_exit() == 0
     await wait_for(lambda: fake.stats()["aborted"] == 1, what="the hanging call to be aborted")

@@ -13,7 +13,7 @@ import orjson
 
 from consolidation import queue
 from consolidation.fake_llm import FakeLLMServer
-from tests.integration.engine_helpers import ingest, markers, wait_for
+from tests.integration.engine_helpers import grew, ingest, markers, wait_for
 
 
 def start_replay(database_url: str, llm_url: str, *args: str, **env: str) -> subprocess.Popen[str]:
@@ -55,8 +55,13 @@ async def test_a_crash_between_apply_and_markers_then_a_rerun_duplicates_nothing
     )
     try:
         await wait_for(lambda: fake.stats()["requests"] >= 3, what="the third LLM call")
+        # The third call starts once the second answer is in, while the second pass applies.
+        await wait_for(
+            lambda: grew(pool, "SELECT count(*) FROM consolidation_outcomes", 3),
+            what="the second pass's apply",
+        )
         journaled = await pool.fetchval("SELECT count(*) FROM consolidation_outcomes")
-        assert journaled == 4
+        assert journaled == 4  # and no more: the third call hangs
         assert (await markers(pool, "b"))["consolidated"] == 0  # the wave never finished
     finally:
         proc.send_signal(signal.SIGKILL)
@@ -95,6 +100,11 @@ async def test_cancelling_a_replay_mid_wave_keeps_applied_work_marked_and_the_re
     proc = start_replay(database_url, fake.url, "--json", CONSOLIDATION_LLM_BATCH_SIZE="2")
     try:
         await wait_for(lambda: fake.stats()["requests"] >= 3, what="the third LLM call")
+        # The third call starts once the second answer is in, while the second pass applies.
+        await wait_for(
+            lambda: grew(pool, "SELECT count(*) FROM consolidation_outcomes", 3),
+            what="the second pass's apply",
+        )
         operation_id = await pool.fetchval("SELECT id FROM operations WHERE status = 'running'")
         cancelled = await queue.request_cancel(pool, operation_id)
         assert cancelled.status == "running"  # a running operation is asked, then stops
@@ -118,6 +128,10 @@ async def test_ctrl_c_cancels_a_replay_the_same_way(
     proc = start_replay(database_url, fake.url, "--json", CONSOLIDATION_LLM_BATCH_SIZE="2")
     try:
         await wait_for(lambda: fake.stats()["requests"] >= 2, what="the second LLM call")
+        await wait_for(
+            lambda: grew(pool, "SELECT count(*) FROM consolidation_outcomes", 1),
+            what="the first pass's apply",
+        )
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
     finally:
