@@ -304,23 +304,22 @@ class BankOptions:
 DEFAULT_BANK = BankOptions()
 
 
-async def efficiency(
-    bench: Bench, sizes: Sizes, loop: str = "asyncio", bank: BankOptions = DEFAULT_BANK
-) -> dict[str, Any]:
-    """Parallelism 8 vs the plan's ideal, parallelism 1 on the same bank (speedup), and
-    parallelism 8 at a 20 ms LLM, where the engine's own time per call weighs five times more."""
-    shape = bank.shape(sizes.efficiency_memories)
+async def _p8_and_p1(
+    bench: Bench, sizes: Sizes, shape: BankShape, latency_ms: int, loop: str, wave_size: int
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Runs of group parallelism 8 and 1 on ``shape`` at ``latency_ms``, interleaved on one
+    fake; labelled ``efficiency-p8`` / ``-p1``, with ``-20ms`` and the like below 100 ms."""
+    suffix = "" if latency_ms == 100 else f"-{latency_ms}ms"
     p8, p1 = (
         Scenario(
-            f"efficiency-p{p}",
+            f"efficiency-p{p}{suffix}",
             shape,
-            latency_ms=100,
+            latency_ms=latency_ms,
             loop=loop,
-            settings={"group_parallelism": p, "wave_size": bank.wave_size},
+            settings={"group_parallelism": p, "wave_size": wave_size},
         )
         for p in (8, 1)
     )
-    bench.log(f"efficiency: {shape.memories} memories, {shape.groups} groups, 100 ms, P8 vs P1")
     runs8: list[dict[str, Any]] = []
     runs1: list[dict[str, Any]] = []
     with bench.fake(p8) as fake:
@@ -329,26 +328,20 @@ async def efficiency(
                 runs8.append(await bench.run(p8, fake, repeat=i + 1))
             if i < sizes.p1_repeats:
                 runs1.append(await bench.run(p1, fake, repeat=i + 1))
+    return runs8, runs1
+
+
+async def efficiency(
+    bench: Bench, sizes: Sizes, loop: str = "asyncio", bank: BankOptions = DEFAULT_BANK
+) -> dict[str, Any]:
+    """Parallelism 8 vs the plan's ideal, parallelism 1 on the same bank (speedup), and
+    parallelism 8 at a 20 ms LLM, where the engine's own time per call weighs five times more."""
+    shape = bank.shape(sizes.efficiency_memories)
+    bench.log(f"efficiency: {shape.memories} memories, {shape.groups} groups, 100 ms, P8 vs P1")
+    runs8, runs1 = await _p8_and_p1(bench, sizes, shape, 100, loop, bank.wave_size)
     # P1 at 20 ms: what one chain of steps reaches when each step's own cost (HTTP, parsing,
     # building the next request) weighs five times more; P8 cannot beat it.
-    fast, fast1 = (
-        Scenario(
-            f"efficiency-p{p}-20ms",
-            shape,
-            latency_ms=20,
-            loop=loop,
-            settings={"group_parallelism": p, "wave_size": bank.wave_size},
-        )
-        for p in (8, 1)
-    )
-    runs_fast: list[dict[str, Any]] = []
-    runs_fast1: list[dict[str, Any]] = []
-    with bench.fake(fast) as fake:
-        for i in range(max(sizes.efficiency_repeats, sizes.p1_repeats)):
-            if i < sizes.efficiency_repeats:
-                runs_fast.append(await bench.run(fast, fake, repeat=i + 1))
-            if i < sizes.p1_repeats:
-                runs_fast1.append(await bench.run(fast1, fake, repeat=i + 1))
+    runs_fast, runs_fast1 = await _p8_and_p1(bench, sizes, shape, 20, loop, bank.wave_size)
     s8, s1 = _summary_of(runs8), _summary_of(runs1)
     ideal8, ideal1 = runs8[0]["ideal_per_wave_s"], runs1[0]["ideal_per_wave_s"]
     no_barrier8 = runs8[0]["ideal_no_barrier_s"]

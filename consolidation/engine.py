@@ -610,16 +610,19 @@ class OperationRun:
             if ahead is not None and ahead.answer is not None and reports:
                 ahead.answer.drop(reports[-1].perf)  # stopped before the pass it was for
 
-    async def _first_recalls(self, plan: GroupPlan[_MemoryState], perf: PerfLog) -> _Ahead | None:
+    async def _first_recalls(self, plan: GroupPlan[_MemoryState], perf: PerfLog) -> _Ahead:
         """The recalls of the group's first two passes, in one statement."""
-        first, second = plan.peek(), plan.peek(2)
-        if first is None:
-            return None
-        wanted = [await self._wanted(step, perf) for step in (first, second) if step is not None]
+        steps = [step for step in (plan.peek(), plan.peek(2)) if step is not None]
+        return _Ahead(await self._recall([await self._wanted(step, perf) for step in steps], perf))
+
+    async def _recall(
+        self, wanted: Sequence[store.RecallRequest], perf: PerfLog
+    ) -> tuple[RecallAhead, ...]:
+        """The recalls of ``wanted``, in one statement."""
         started = time.monotonic()
         fetched = await store.recall_many(self.pool, self.lease.bank_id, wanted)
         perf.recall_s += time.monotonic() - started
-        return _Ahead(tuple(RecallAhead(w, o) for w, o in zip(wanted, fetched, strict=True)))
+        return tuple(RecallAhead(w, o) for w, o in zip(wanted, fetched, strict=True))
 
     def _fail(self, member: _MemoryState, scope: Scope, exc: InvalidLLMOutput) -> None:
         member.failure = str(exc)[:MAX_FAILURE_REASON_CHARS]
@@ -725,17 +728,16 @@ class OperationRun:
             if held is not None:
                 recalled = held.observations
             else:
-                started = time.monotonic()
-                # The group's first pass (or the first after a split) also fetches the next
-                # pass's recall, which its own apply cannot bring in time for the early call.
+                # The first pass after a split (or of a group that could not recall ahead)
+                # also fetches the next pass's recall, which its own apply cannot bring in time
+                # for the early call.
                 both = [wanted]
                 if upcoming_wanted is not None and upcoming_recall is None:
                     both.append(upcoming_wanted)
-                fetched = await store.recall_many(self.pool, self.lease.bank_id, both)
-                perf.recall_s += time.monotonic() - started
-                recalled = fetched[0]
-                if len(both) == 2:
-                    upcoming_recall = RecallAhead(both[1], fetched[1])
+                fetched = await self._recall(both, perf)
+                recalled = fetched[0].observations
+                if len(fetched) == 2:
+                    upcoming_recall = fetched[1]
             request = self._pass_request(step, recalled)
             chat = pass_chat(request)
         following_recall = None if following is None else await self._wanted(following, perf)
