@@ -7,11 +7,12 @@ several, or becomes a new observation. Every answer it returns is valid for its 
 
 from __future__ import annotations
 
-import functools
 import re
-from collections.abc import Mapping
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from consolidation.prompts import MAX_OBSERVATION_CHARS
 
@@ -36,10 +37,46 @@ _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 _TEXT_CACHE_SIZE = 1024
 
 
-@functools.lru_cache(maxsize=_TEXT_CACHE_SIZE)
-def _tokens(text: str) -> frozenset[str]:
+T = TypeVar("T")
+
+
+class _Memo(Generic[T]):
+    """A bounded least-recently-used cache of ``derive(text)`` that can also be told a value
+    worked out another way (:func:`_append` knows an appended text's words from its parts).
+    Thread-safe: a test's fake LLM thread and the engine's offline consolidator share it."""
+
+    def __init__(self, derive: Callable[[str], T]) -> None:
+        self._derive = derive
+        self._values: OrderedDict[str, T] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __call__(self, text: str) -> T:
+        with self._lock:
+            if text in self._values:
+                self._values.move_to_end(text)
+                return self._values[text]
+        value = self._derive(text)
+        self.seed(text, value)
+        return value
+
+    def seed(self, text: str, value: T) -> None:
+        with self._lock:
+            self._values[text] = value
+            self._values.move_to_end(text)
+            if len(self._values) > _TEXT_CACHE_SIZE:
+                self._values.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._values.clear()
+
+
+def _derive_tokens(text: str) -> frozenset[str]:
     words = set(_WORD.findall(text.lower()))
     return frozenset(word for word in words if len(word) > 1) - _STOP_WORDS
+
+
+_tokens = _Memo(_derive_tokens)
 
 
 def _overlap(a: frozenset[str], b: frozenset[str]) -> float:
@@ -53,9 +90,11 @@ def similarity(a: str, b: str) -> float:
     return _overlap(_tokens(a), _tokens(b))
 
 
-@functools.lru_cache(maxsize=_TEXT_CACHE_SIZE)
-def _normalized(text: str) -> str:
+def _derive_normalized(text: str) -> str:
     return " ".join(text.lower().split())
+
+
+_normalized = _Memo(_derive_normalized)
 
 
 def _contains(hay: str, pin: str) -> bool:
@@ -96,7 +135,15 @@ def _append(text: str, addition: str) -> str:
         return _fit(text)
     if _contains(new, old):
         return _fit(addition)
-    return _fit(f"{text} {addition}")
+    joined = f"{text} {addition}"
+    fitted = _fit(joined)
+    if fitted == joined.strip():
+        # Nothing trimmed: the words of the whole are those of its parts (the space between
+        # them ends a word in either), so the next request that shows this text, and the
+        # next fact of this one, need not tokenize its 2-4 KB again.
+        _tokens.seed(fitted, _tokens(text) | _tokens(addition))
+        _normalized.seed(fitted, f"{old} {new}" if old and new else old or new)
+    return fitted
 
 
 @dataclass(eq=False)  # identity matters: two entries may hold equal text

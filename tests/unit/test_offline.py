@@ -10,6 +10,7 @@ import orjson
 from hypothesis import given
 from hypothesis import strategies as st
 
+from consolidation import offline
 from consolidation.offline import SIMILARITY_THRESHOLD, consolidate, similarity
 from consolidation.prompts import (
     MAX_OBSERVATION_CHARS,
@@ -242,6 +243,29 @@ def test_answers_always_pass_parse_answer(facts: list[str], observations: list[s
 def test_answers_are_deterministic(facts: list[str], observations: list[str]) -> None:
     user = orjson.loads(_request(facts, observations).user_content)
     assert orjson.dumps(consolidate(user)) == orjson.dumps(consolidate(user))
+
+
+# Words whose lower case depends on their neighbours (a final sigma) or changes their length.
+_cased = st.lists(
+    st.sampled_from(["ΟΔΟΣ", "ΣΑΣ", "Σ", "straße", "İstanbul", "tea", "Tea.", "the"]), max_size=10
+).map(" ".join)
+
+
+@given(st.lists(st.one_of(_texts, _cased), max_size=8), st.lists(_cased, max_size=8))
+def test_an_appended_texts_words_known_from_its_parts_are_its_own(
+    facts: list[str], observations: list[str]
+) -> None:
+    # _append tells the caches the words of the text it writes (from its parts); they must be
+    # what tokenizing that text gives, or a later request would match on the wrong words.
+    consolidate(orjson.loads(_request(facts, observations).user_content))
+    for memo, derive in (
+        (offline._tokens, offline._derive_tokens),
+        (offline._normalized, offline._derive_normalized),
+    ):
+        known = dict(memo._values)
+        assert known
+        for text, value in known.items():
+            assert value == derive(text), text
 
 
 @given(_texts, _texts)
