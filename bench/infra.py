@@ -244,7 +244,7 @@ def in_flight_share(calls: list[dict[str, Any]]) -> dict[str, float]:
 @contextlib.asynccontextmanager
 async def pgvector_server(admin_url: str, log: Any = print) -> AsyncIterator[str]:
     """A Postgres server with pgvector where bench databases may be created: ``admin_url``'s
-    when it has the extension, else the embedded one (PostgreSQL 18 with pgvector) in a
+    when it has the extension, else the embedded one (PostgreSQL 16 with pgvector) in a
     temporary directory, stopped on exit."""
     conn = await asyncpg.connect(admin_url)
     try:

