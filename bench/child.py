@@ -67,15 +67,18 @@ def _statement_names() -> dict[str, str]:
         for attr, value in vars(module).items():
             if attr.isupper() and isinstance(value, str) and len(value) > 20:
                 names[value] = attr.lower()
-    for count in (1, 2):  # the engine's recalls: a group's first pass fetches two at once
-        names[store.recall_statement(count, hybrid=False)] = "recall"
-        names[store.recall_statement(count, hybrid=True)] = "recall_hybrid"
     return names
+
+
+# The engine's recalls: one statement holds any number of them (store.recall_statement).
+_RECALL_PREFIX = store.recall_statement(1, hybrid=False).split("FROM")[0]
 
 
 def _statement_name(query: str) -> str:
     if query.lstrip().startswith("SELECT pg_advisory_unlock_all()"):
         return "pool_reset"  # asyncpg's Connection.reset() when a connection goes back
+    if query.startswith(_RECALL_PREFIX):
+        return "recall_hybrid" if "consolidation_recall_hybrid_v1" in query else "recall"
     return " ".join(query.split())[:40]
 
 
