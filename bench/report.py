@@ -252,7 +252,10 @@ def target_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
                 {
                     "what": "zero-latency memories/s over the database work alone",
                     "target": f"≥ {TARGETS['fraction_of_database_only']:.2f}",
-                    "measured": _fmt(fraction, digits=3) + f" ({thr['memories_per_s']:,.0f} of "
+                    "measured": _fmt(fraction, digits=3)
+                    + " (median of each run over the replay beside it: "
+                    + ", ".join(f"{p:.3f}" for p in thr.get("fraction_of_database_only_pairs", []))
+                    + f"; medians {thr['memories_per_s']:,.0f} of "
                     f"{thr['database_only_memories_per_s']:,.0f}/s)",
                     "met": fraction >= TARGETS["fraction_of_database_only"],
                 }
