@@ -283,76 +283,6 @@ _CONTINUED = ("waves", "processed", "consolidated", "failed", "recovered", "slic
 ProgressCallback = Callable[[RunSummary], None]
 
 
-class _SharedRecalls:
-    """Recalls asked for in one turn of the event loop go to the database in ONE statement
-    (:func:`store.recall_many`), sent by the first to ask: the groups put on deck together (a
-    wave's start, a slot freed while several wait) each fetch their first recalls, and a
-    statement's round trip costs the engine and Postgres more than a recall inside it.
-
-    Sharing never changes what a group reads: each asked once its scopes were its own (every
-    earlier writer done, no one else writing them until it ends), and the statement runs after.
-    If the one who asked first is cancelled before its answer, the others fetch their own."""
-
-    def __init__(self, pool: asyncpg.Pool, bank_id: str, most: int) -> None:
-        self._pool = pool
-        self._bank_id = bank_id
-        self._most = max(1, most)  # askers per statement
-        self._open: list[_RecallAsk] | None = None
-
-    async def fetch(
-        self, wanted: Sequence[store.RecallRequest]
-    ) -> list[list[store.RecalledObservation]]:
-        batch = self._open
-        if batch is not None and len(batch) < self._most:
-            found: asyncio.Future[list[list[store.RecalledObservation]]]
-            found = asyncio.get_running_loop().create_future()
-            batch.append(_RecallAsk(wanted, found))
-            try:
-                return await found
-            except _RecallAbandoned:
-                pass  # the first to ask was cancelled: fetch ours alone
-            return await store.recall_many(self._pool, self._bank_id, wanted)
-        batch = self._open = [_RecallAsk(wanted, None)]
-        try:
-            await asyncio.sleep(0)  # whoever asks in this turn joins
-        except BaseException:
-            self._abandon(batch)
-            raise
-        finally:
-            if self._open is batch:
-                self._open = None
-        try:
-            fetched = await store.recall_many(
-                self._pool, self._bank_id, [r for ask in batch for r in ask.wanted]
-            )
-        except BaseException:
-            self._abandon(batch)
-            raise
-        start = 0
-        for ask in batch:
-            end = start + len(ask.wanted)
-            if ask.found is not None and not ask.found.done():
-                ask.found.set_result(fetched[start:end])
-            start = end
-        return fetched[: len(wanted)]
-
-    @staticmethod
-    def _abandon(batch: Sequence[_RecallAsk]) -> None:
-        for ask in batch:
-            if ask.found is not None and not ask.found.done():
-                ask.found.set_exception(_RecallAbandoned())
-
-
-class _RecallAbandoned(Exception):
-    """The statement a recall was to share is not sent (its sender stopped or failed)."""
-
-
-@dataclass
-class _RecallAsk:
-    wanted: Sequence[store.RecallRequest]
-    found: asyncio.Future[list[list[store.RecalledObservation]]] | None  # None: the sender's
-
-
 class OperationRun:
     """The engine for one claimed attempt of one operation: waves, their groups, markers."""
 
@@ -383,7 +313,6 @@ class OperationRun:
         self.mission = settings.mission
         self._abort = False
         self._slots = SlotAllocator(settings.group_parallelism)
-        self._recalls = _SharedRecalls(pool, lease.bank_id, settings.group_parallelism)
         self._last_writer: dict[Scope, Claim] = {}
         self._waves_launched = 0
         self._closing = asyncio.Lock()
@@ -689,9 +618,9 @@ class OperationRun:
     async def _recall(
         self, wanted: Sequence[store.RecallRequest], perf: PerfLog
     ) -> tuple[RecallAhead, ...]:
-        """The recalls of ``wanted``, in one statement (shared with other groups asking now)."""
+        """The recalls of ``wanted``, in one statement."""
         started = time.monotonic()
-        fetched = await self._recalls.fetch(wanted)
+        fetched = await store.recall_many(self.pool, self.lease.bank_id, wanted)
         perf.recall_s += time.monotonic() - started
         return tuple(RecallAhead(w, o) for w, o in zip(wanted, fetched, strict=True))
 

@@ -11,7 +11,7 @@ import asyncpg
 import pytest
 
 from consolidation import db, queue, store
-from consolidation.engine import StopReason, StopSignal, _SharedRecalls
+from consolidation.engine import StopReason, StopSignal
 from consolidation.fake_llm import FakeLLMServer
 from consolidation.llm import OfflineConsolidator
 from consolidation.settings import Settings
@@ -161,66 +161,6 @@ async def test_the_markers_of_a_wave_are_written_by_one_statement(
     marker_writes = [s for s in statements if "consolidated_at =" in s]
     assert len(marker_writes) == 3  # one executemany per wave, whatever the wave's size
     assert all(s.strip() == store.COMMIT_MARKER.strip() for s in marker_writes)
-
-
-def _recall_statements(statements: list[str]) -> list[str]:
-    prefix = store.recall_statement(1, hybrid=False).split("FROM")[0]
-    return [s for s in statements if s.startswith(prefix)]
-
-
-async def test_groups_put_on_deck_together_fetch_their_first_recalls_in_one_statement(
-    database_url: str, fake: FakeLLMServer
-) -> None:
-    async with logged_pool(database_url) as (pool, statements):
-        # Six groups of two batches: all six are granted a slot as the wave starts.
-        await ingest(pool, "b", [m for g in range(6) for m in topic(f"P{g}", 4, [f"t{g}"])])
-        statements.clear()
-        llm = http_llm(fake.url)
-        try:
-            end = await consolidate(pool, "b", llm, Settings(llm_batch_size=2, group_parallelism=8))
-        finally:
-            await llm.aclose()
-        by_scope = await observations_by_scope(pool, "b")
-    assert end.status == "completed", end.error
-    recalls = _recall_statements(statements)
-    # One statement for the six groups' first two passes, not one per group.
-    assert len(recalls) == 1
-    assert recalls[0].count("consolidation_recall_v1(") == 12
-    # Each second pass still saw its first pass's observation: one per scope.
-    assert {scope: len(texts) for scope, texts in by_scope.items()} == {
-        (f"t{g}",): 1 for g in range(6)
-    }
-
-
-async def test_a_shared_recall_whose_sender_is_cancelled_is_fetched_by_the_others(
-    database_url: str,
-) -> None:
-    async with logged_pool(database_url) as (pool, statements):
-        await ingest(pool, "b", [m for g in range(4) for m in topic(f"P{g}", 2, [f"t{g}"])])
-        end = await consolidate(pool, "b", OfflineConsolidator())
-        assert end.status == "completed", end.error
-        wanted = [[store.RecallRequest((f"t{g}",), (f"P{g} drinks tea",), 10)] for g in range(4)]
-        alone = [await store.recall_many(pool, "b", w) for w in wanted]
-        assert all(found[0] for found in alone)
-
-        shared = _SharedRecalls(pool, "b", most=8)
-        statements.clear()
-        assert await asyncio.gather(*(shared.fetch(w) for w in wanted)) == alone
-        assert len(_recall_statements(statements)) == 1
-
-        statements.clear()
-        tasks = [asyncio.create_task(shared.fetch(w)) for w in wanted]
-        for _turn in range(100):  # turns of the loop, not time: the window is one turn wide
-            if shared._open is not None and len(shared._open) == 4:
-                break
-            await asyncio.sleep(0)
-        assert shared._open is not None and len(shared._open) == 4
-        tasks[0].cancel()  # the sender, before its statement is sent
-        async with asyncio.timeout(30):  # abandoned askers would wait for ever
-            done = await asyncio.gather(*tasks, return_exceptions=True)
-    assert isinstance(done[0], asyncio.CancelledError)
-    assert done[1:] == alone[1:]
-    assert len(_recall_statements(statements)) == 3  # each of the others alone
 
 
 async def test_a_pass_gets_its_recall_from_the_previous_apply_of_its_group(
