@@ -403,6 +403,7 @@ async def replay(spec: RunSpec) -> dict[str, Any]:
 def main() -> None:
     spec = RunSpec(**orjson.loads(sys.stdin.buffer.read()))
     configure_logging("json", spec.log_level)
+    runtime.tune_gc()  # as the consolidation command does
     result = runtime.run(replay(spec) if spec.replay_from else run(spec), spec.loop)
     # A file rather than stdout: a profiler wrapping this process may print on stdout.
     Path(sys.argv[1]).write_bytes(orjson.dumps(result))

@@ -423,5 +423,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         _fail("interrupted", 130)
 
 
+def entry() -> int:
+    """The ``consolidation`` command: :func:`main` in a process of its own, its collector tuned
+    for a long run (:func:`consolidation.runtime.tune_gc`; not in :func:`main`, which tests
+    call in their own process)."""
+    runtime.tune_gc()
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(entry())

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib.util
+import subprocess
+import sys
 
 import pytest
 
@@ -37,3 +40,19 @@ def test_asking_for_a_missing_uvloop_is_a_config_error(monkeypatch: pytest.Monke
     with pytest.raises(ConfigError, match="CONSOLIDATION_EVENT_LOOP=uvloop"):
         runtime.run(coro, "uvloop")
     assert coro.cr_frame is None  # closed, not left to warn "never awaited"
+
+
+def test_the_consolidation_command_tunes_its_collector_before_it_runs() -> None:
+    # In a process of its own: entry() changes the collector of the process it runs in.
+    probe = (
+        "import gc, consolidation.cli as cli\n"
+        "cli.main = lambda: print(*gc.get_threshold(), gc.get_freeze_count()) or 0\n"
+        "raise SystemExit(cli.entry())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    )
+    *thresholds, frozen = map(int, done.stdout.split())
+    assert tuple(thresholds) == runtime.GC_THRESHOLDS != gc.get_threshold()
+    # Start-up's objects (every module imported so far) are out of the collector's walks.
+    assert frozen > 10_000
