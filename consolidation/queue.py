@@ -343,9 +343,15 @@ async def terminate_stalled_workers(
 
 # --- fenced writes --------------------------------------------------------------------------
 
-# Every fenced write of an operation row: consolidation/sql/consolidation_holds_lease_v1.sql is the
-# one definition of the fence, shared with the apply of a pass and the wave's markers (store.py).
-FENCE = "id = $1 AND consolidation_holds_lease_v1($1, $2, $3)"
+# The fence (DESIGN §4) of a write to the operation row itself, checked on the row the write
+# locks: under READ COMMITTED an UPDATE (or SELECT ... FOR UPDATE) that waited behind a concurrent
+# writer checks these conditions again on the newest version, so a write that waited behind a
+# reclaim writes nothing, and a reclaim waits until the write has committed. The same conditions
+# as consolidation_holds_lease_v1 (the fence of the writes to other tables: the apply of a pass,
+# the wave's markers), but not that function: its FOR SHARE lock, taken first, would then have to
+# become the UPDATE's, and two such writes at once (a worker's heartbeat and its progress report)
+# each waited for the other's share lock: a deadlock that failed the operation.
+FENCE = "id = $1 AND worker_id = $2 AND attempt = $3 AND status = 'running'"
 
 HEARTBEAT = f"""
 UPDATE operations SET lease_expires_at = now() + make_interval(secs => $4)

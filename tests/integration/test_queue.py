@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import asyncpg
 import pytest
 
@@ -126,3 +128,38 @@ async def test_a_worker_frozen_inside_a_transaction_is_fenced_so_its_work_can_be
         assert reclaimed.attempt == 2
     finally:
         frozen_pool.terminate()
+
+
+async def _waiting_for_a_lock(pool: asyncpg.Pool, pid: int) -> bool:
+    return (
+        await pool.fetchval("SELECT wait_event_type FROM pg_stat_activity WHERE pid = $1", pid)
+        == "Lock"
+    )
+
+
+async def test_a_heartbeat_and_a_progress_report_at_once_never_deadlock(
+    pool: asyncpg.Pool,
+) -> None:
+    # A worker's heartbeat and its progress report update the operation row on two connections
+    # at once. Each used to take a share lock on the row (the fence) before the row lock, and
+    # each then waited for the other's: Postgres broke the deadlock by failing one, and the
+    # operation with it. A third holder of a share lock makes them meet every time.
+    await queue.submit(pool, "b")
+    lease = await queue.claim(pool, "w1", 30)
+    assert lease is not None
+    async with pool.acquire() as reader, pool.acquire() as first, pool.acquire() as second:
+        pids = [await c.fetchval("SELECT pg_backend_pid()") for c in (first, second)]
+        async with reader.transaction():
+            await reader.execute(
+                "SELECT 1 FROM operations WHERE id = $1 FOR SHARE", lease.operation_id
+            )
+            progress = asyncio.create_task(queue.record_progress(first, lease, {"done": 1}))
+            await wait_for(lambda: _waiting_for_a_lock(pool, pids[0]), what="progress waits")
+            beat = asyncio.create_task(queue.heartbeat(second, lease, 30))
+            await wait_for(lambda: _waiting_for_a_lock(pool, pids[1]), what="heartbeat waits")
+        # The reader's transaction is over: both writes go through, one after the other.
+        async with asyncio.timeout(30):
+            done = await asyncio.gather(progress, beat, return_exceptions=True)
+    assert done == [False, False]
+    op = await queue.get_operation(pool, lease.operation_id)
+    assert op.status == "running" and op.progress == {"done": 1}
