@@ -78,6 +78,13 @@ class RootSideEffects:
         )
 
 
+def _embedded_binaries() -> Path:
+    """The directory of the embedded Postgres' programs (inside the pgserver package)."""
+    from pgserver._commands import POSTGRES_BIN_PATH
+
+    return Path(POSTGRES_BIN_PATH)
+
+
 def embedded_root_side_effects(
     pgdata: Path, *, euid: int | None = None, binaries: Path | None = None
 ) -> RootSideEffects | None:
@@ -95,9 +102,7 @@ def embedded_root_side_effects(
     except KeyError:
         creates_user = True
     if binaries is None:
-        from pgserver._commands import POSTGRES_BIN_PATH
-
-        binaries = Path(POSTGRES_BIN_PATH)
+        binaries = _embedded_binaries()
     targets = [pgdata, binaries]
     if len(os.fsencode(pgdata / ".s.PGSQL.5432")) > _SOCKET_PATH_MAX:
         import platformdirs
@@ -148,13 +153,8 @@ def embedded_database_url(data_dir: Path) -> str:
 
 def embedded_major_version(binaries: Path | None = None) -> str:
     """The major version of the embedded Postgres (``postgres -V``: "postgres (PostgreSQL) 16.2")."""
-    if binaries is None:
-        from pgserver._commands import POSTGRES_BIN_PATH
-
-        binaries = Path(POSTGRES_BIN_PATH)
-    out = subprocess.run(
-        [str(binaries / "postgres"), "-V"], capture_output=True, text=True, check=True
-    ).stdout
+    postgres = (binaries or _embedded_binaries()) / "postgres"
+    out = subprocess.run([str(postgres), "-V"], capture_output=True, text=True, check=True).stdout
     return out.split()[-1].split(".")[0]
 
 

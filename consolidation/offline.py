@@ -66,10 +66,6 @@ class _Memo(Generic[T]):
             if len(self._values) > _TEXT_CACHE_SIZE:
                 self._values.popitem(last=False)
 
-    def clear(self) -> None:
-        with self._lock:
-            self._values.clear()
-
 
 def _derive_tokens(text: str) -> frozenset[str]:
     words = set(_WORD.findall(text.lower()))
