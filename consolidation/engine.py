@@ -313,6 +313,11 @@ class OperationRun:
         self.mission = settings.mission
         self._abort = False
         self._slots = SlotAllocator(settings.group_parallelism)
+        # Groups holding a slot that still fetch their first recalls: their first LLM call waits
+        # on them, so the recalls of groups on deck and the fetch of a further wave go after
+        # (:meth:`_behind_slot_holders`). ``_settled`` is resolved whenever the set empties.
+        self._preparing: set[Claim] = set()
+        self._settled: asyncio.Future[None] | None = None
         self._last_writer: dict[Scope, Claim] = {}
         self._waves_launched = 0
         self._closing = asyncio.Lock()
@@ -341,6 +346,9 @@ class OperationRun:
         try:
             while True:
                 while not exhausted and self._wants_another_wave(len(in_flight)):
+                    if in_flight:
+                        # A wave fetched ahead serves later slots; the first calls go first.
+                        await self._behind_slot_holders()
                     self._checkpoint()  # between waves
                     wave = await store.fetch_wave(
                         self.pool,
@@ -415,6 +423,8 @@ class OperationRun:
                 position=index,
                 after=[self._last_writer[s] for s in scopes if s in self._last_writer],
             )
+            if claim.holds:
+                self._prepare(claim)  # before the fetch of the next wave can be sent
             task = asyncio.create_task(
                 self._run_group(index, group, reports[index], claim, facts),
                 name=f"wave-{number}-group-{index}",
@@ -430,7 +440,34 @@ class OperationRun:
         )
 
     def _group_ended(self, claim: Claim, _: asyncio.Task[None]) -> None:
+        self._prepared(claim)
         self._slots.finish(claim)
+
+    def _prepare(self, claim: Claim) -> None:
+        """``claim`` holds a slot and fetches its group's first recalls now."""
+        if not self._preparing:
+            self._settled = asyncio.get_running_loop().create_future()
+        self._preparing.add(claim)
+
+    def _prepared(self, claim: Claim) -> None:
+        if claim not in self._preparing:
+            return
+        self._preparing.discard(claim)
+        if not self._preparing and self._settled is not None and not self._settled.done():
+            self._settled.set_result(None)
+
+    async def _behind_slot_holders(self, claim: Claim | None = None) -> None:
+        """Wait while a group holding a slot still fetches its first recalls (or until
+        ``claim`` is granted a slot itself): their first LLM calls wait on those recalls, and
+        work for a slot not held yet — a group on deck preparing, a wave fetched ahead — would
+        share the database and the CPU with them. It matters when the slots are handed out
+        together: at the start of an operation, every slot and a full deck at once."""
+        while self._preparing and not (claim is not None and claim.granted.done()):
+            assert self._settled is not None
+            waits: set[asyncio.Future[None]] = {self._settled}
+            if claim is not None:
+                waits.add(claim.granted)
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
 
     async def _run_wave(
         self,
@@ -565,8 +602,12 @@ class OperationRun:
                 # Shielded: the request serves the wave's other groups, whatever becomes of us.
                 await asyncio.shield(facts)
             if self._may_start():
+                await self._behind_slot_holders(claim)
+                if claim.holds:
+                    self._prepare(claim)
                 opening = PerfLog()
                 ahead = await self._first_recalls(plan, opening)
+            self._prepared(claim)
             await self._slots.acquire(claim)
             while (step := plan.next()) is not None:
                 if not reports or reports[-1].number != step.batch:

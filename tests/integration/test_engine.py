@@ -258,9 +258,10 @@ async def test_a_scoped_operation_only_consolidates_its_scopes(pool: asyncpg.Poo
 
 
 async def consolidate_notes(
-    pool: asyncpg.Pool, fake: FakeLLMServer, order: list[str], settings: Settings
+    pool: asyncpg.Pool, fake: FakeLLMServer, order: list[str], settings: Settings, **llm: Any
 ) -> Any:
-    """One memory per tag of ``order``, in that consolidation order, consolidated over HTTP."""
+    """One memory per tag of ``order``, in that consolidation order, consolidated over HTTP
+    (``llm``: options of the HTTP client)."""
     memories = [
         {
             "text": f"Note {i} about topic {tag}",
@@ -270,11 +271,11 @@ async def consolidate_notes(
         for i, tag in enumerate(order)
     ]
     await ingest(pool, "b", memories)
-    llm = http_llm(fake.url)
+    client = http_llm(fake.url, **llm)
     try:
-        return await consolidate(pool, "b", llm, settings)
+        return await consolidate(pool, "b", client, settings)
     finally:
-        await llm.aclose()
+        await client.aclose()
 
 
 async def test_waves_are_pipelined_but_a_scope_never_runs_twice_at_once_nor_out_of_order(
@@ -499,3 +500,61 @@ async def test_a_group_failing_for_good_in_a_later_wave_fails_the_operation_with
     census = await assert_consistent(pool)
     assert (census.consolidated, census.outcomes) == (10, 10)
     assert census.observations_per_scope == {("b", ("p",)): 1, ("b", ("s",)): 1}
+
+
+async def test_the_groups_holding_the_first_slots_recall_before_groups_on_deck_or_a_further_wave(
+    pool: asyncpg.Pool, fake: FakeLLMServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two slots, waves of 4 one-call groups: at the start two groups get the slots and two go
+    # on deck at once, and wave 2 could be fetched. The slot holders' first LLM calls wait on
+    # their first recalls, so those go to the database alone; the deck's recalls and wave 2's
+    # fetch follow once both are back. (Before: the fetch was sent first, the deck's recalls
+    # beside the holders'.)
+    events: list[tuple[str, str, str]] = []
+
+    def recorded(name: str, describe: Any) -> Any:
+        original = getattr(store, name)
+
+        async def call(*args: Any, **kwargs: Any) -> Any:
+            what = describe(*args)
+            events.append(("start", name, what))
+            try:
+                return await original(*args, **kwargs)
+            finally:
+                events.append(("end", name, what))
+
+        return call
+
+    monkeypatch.setattr(
+        store, "recall_many", recorded("recall_many", lambda _p, _b, wanted: wanted[0].scope[0])
+    )
+    monkeypatch.setattr(
+        store, "fetch_wave", recorded("fetch_wave", lambda _p, _b, cursor, *_: str(cursor))
+    )
+    fake.control(latency_ms=20)
+    order = ["a", "b", "c", "d", "e", "f", "g", "h"]
+    # A form set, not probed: with "auto" the second slot's first call would wait for the
+    # first one's answer, and the LLM's arrival order would not tell the slots' holders.
+    end = await consolidate_notes(
+        pool,
+        fake,
+        order,
+        Settings(wave_size=4, llm_batch_size=1, group_parallelism=2),
+        response_format="json_schema",
+    )
+    assert end.status == "completed" and end.summary.waves == 2
+
+    first_calls = sorted(fake.stats()["calls"], key=lambda c: c["started"])[:2]
+    holders = {c["scope"][0] for c in first_calls}
+    holders_back = max(
+        i for i, (when, name, what) in enumerate(events) if when == "end" and what in holders
+    )
+    first_fetch = events.index(("end", "fetch_wave", "None"))
+    others = [
+        (i, name, what)
+        for i, (when, name, what) in enumerate(events)
+        if when == "start" and i > first_fetch and what not in holders
+    ]
+    assert {what for _, name, what in others if name == "recall_many"} == set(order) - holders
+    assert any(name == "fetch_wave" for _, name, _ in others)
+    assert all(i > holders_back for i, _, _ in others), events
