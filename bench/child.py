@@ -286,11 +286,13 @@ async def run(spec: RunSpec) -> dict[str, Any]:
 
     db._init_connection = init  # type: ignore[assignment]
     try:
-        # The replay's pool size and session options (cli._replay / runtime.open_runtime).
+        # The replay's pool, session options and warm connections (cli._replay /
+        # runtime.open_runtime and foreground_pool).
+        size, warm = runtime.foreground_pool(settings)
         pool = await db.create_pool(
             spec.database_url,
-            min_size=1,
-            max_size=settings.group_parallelism + 4,
+            min_size=warm,
+            max_size=size,
             application_name="bench-worker",
             timeouts=db.Timeouts.for_lease(60.0),
         )
@@ -302,6 +304,7 @@ async def run(spec: RunSpec) -> dict[str, Any]:
     if embedder is not None:
         async with pool.acquire() as conn:
             await require_vector_storage(conn)
+    await store.warm(pool, warm, hybrid=embedder is not None)
     fetch_wave = store.fetch_wave
 
     async def planned_fetch_wave(*args: Any, **kwargs: Any) -> list[store.WaveMemory]:

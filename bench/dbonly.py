@@ -149,7 +149,11 @@ async def replay(database_url: str, recording: bytes, group_parallelism: int) ->
     """Send a recorded run's statements to ``database_url`` (a fresh clone of the same bank);
     returns the wall time and how many memories its markers marked."""
     waves = orjson.loads(recording)
-    pool = await db.create_pool(database_url, min_size=1, max_size=group_parallelism + 4)
+    # Warm, as the engine's pool is (runtime.foreground_pool): neither pays for new sessions.
+    pool = await db.create_pool(
+        database_url, min_size=group_parallelism + 2, max_size=group_parallelism + 4
+    )
+    await store.warm(pool, group_parallelism + 2, hybrid=_hybrid(waves))
     slots = asyncio.Semaphore(group_parallelism)
     last_writer: dict[Scope, asyncio.Task[None]] = {}
     try:
@@ -186,6 +190,16 @@ async def replay(database_url: str, recording: bytes, group_parallelism: int) ->
         "memories": marked,
         "memories_per_s": marked / wall if wall else 0.0,
     }
+
+
+def _hybrid(waves: list[dict[str, Any]]) -> bool:
+    """Whether the recorded run recalled with embeddings."""
+    return any(
+        call.get("embeddings", False)
+        for wave in waves
+        for calls in wave["groups"].values()
+        for call in calls
+    )
 
 
 async def _group(

@@ -152,11 +152,10 @@ class ProgressBar:
 async def _replay(settings: Settings, bank: str, reset: bool, bar: ProgressBar) -> Operation:
     from consolidation import queue, store
     from consolidation.engine import StopReason, StopSignal, run_operation
-    from consolidation.runtime import open_runtime
+    from consolidation.runtime import foreground_pool, open_runtime
 
-    async with open_runtime(
-        settings, pool_size=settings.group_parallelism + 4, kind="replay"
-    ) as rt:
+    size, warm = foreground_pool(settings)
+    async with open_runtime(settings, pool_size=size, kind="replay", warm=warm) as rt:
         if not await store.bank_exists(rt.pool, bank):
             raise CLIError(f"bank {bank!r} does not exist (ingest memories into it first)")
         if reset:

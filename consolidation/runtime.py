@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import asyncpg
 import structlog
 
-from consolidation import db
+from consolidation import db, store
 from consolidation.embeddings import Embedder, build_embedder, require_vector_storage
 from consolidation.errors import ConfigError
 from consolidation.http import options_from
@@ -127,9 +127,17 @@ class Runtime:
     embedder: Embedder | None = None  # set with CONSOLIDATION_EMBEDDINGS_BASE_URL
 
 
+def foreground_pool(settings: Settings) -> tuple[int, int]:
+    """The pool of an operation run in the foreground (``replay``, and the benchmark's engine,
+    which runs it alike): its size, and how many of its connections are opened and warmed
+    before the operation starts — one per group slot, and two for the waves' fetches and
+    markers. A process that runs one operation and exits has no reason to open them lazily."""
+    return settings.group_parallelism + 4, settings.group_parallelism + 2
+
+
 @asynccontextmanager
 async def open_runtime(
-    settings: Settings, *, pool_size: int | None = None, kind: str = "worker"
+    settings: Settings, *, pool_size: int | None = None, kind: str = "worker", warm: int = 0
 ) -> AsyncIterator[Runtime]:
     """Database (migrated), LLM client and embeddings client (when configured, once the database
     can store vectors), closed in reverse order on exit.
@@ -137,15 +145,21 @@ async def open_runtime(
     The pool's sessions are named after this process's worker id (``kind:host:pid``), the same
     id its leases carry, so a stalled process can be fenced by ending its sessions. Every
     statement is bounded by the lease (:class:`db.Timeouts`); idle connections are released
-    down to one within ``db.POOL_IDLE_S``.
+    down to one within ``db.POOL_IDLE_S``; with ``warm``, that many are opened at once and
+    made ready for an operation (:func:`store.warm`) before this yields, and kept.
     """
     async with AsyncExitStack() as stack:
         url = await db.prepare_database(settings)
         size = pool_size or max(10, settings.group_parallelism * settings.worker_concurrency + 4)
         worker_id = worker_identity(kind)
         timeouts = db.Timeouts.for_lease(settings.lease_s)
+        warm = min(warm, size)
         pool = await db.create_pool(
-            url, min_size=1, max_size=size, application_name=worker_id, timeouts=timeouts
+            url,
+            min_size=max(1, warm),
+            max_size=size,
+            application_name=worker_id,
+            timeouts=timeouts,
         )
         stack.push_async_callback(_close_pool, pool)
         llm = build_consolidator(settings)
@@ -155,6 +169,8 @@ async def open_runtime(
             stack.push_async_callback(embedder.aclose)
             async with pool.acquire() as conn:
                 await require_vector_storage(conn)
+        if warm:
+            await store.warm(pool, warm, hybrid=embedder is not None)
         yield Runtime(settings, url, pool, llm, worker_id, timeouts, embedder)
 
 

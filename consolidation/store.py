@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import uuid
 from collections.abc import Mapping, Sequence
@@ -777,6 +779,23 @@ async def recall_many(
             )
         )
     return found
+
+
+async def warm(pool: asyncpg.Pool, connections: int, *, hybrid: bool = False) -> None:
+    """Have ``connections`` of the pool's sessions ready for an operation: each runs a group's
+    first recall statement once, with nothing to recall. A new session's first recall costs
+    about ten times a warm one (the server loads its catalogs and compiles the recall
+    function; asyncpg prepares the statement): paid here, at once, instead of by the first
+    passes of the operation, whose LLM calls wait on it (docs/benchmarks.md, #16)."""
+    empty = RecallRequest((), (), 0, () if hybrid else None)
+    args: list[Any] = []
+    for _ in range(2):
+        args += ["", *_recall_args(empty, hybrid)]
+    statement = recall_statement(2, hybrid)
+    async with contextlib.AsyncExitStack() as held:
+        # One after the other: a pool opened with min_size=connections has them open already.
+        sessions = [await held.enter_async_context(pool.acquire()) for _ in range(connections)]
+        await asyncio.gather(*(conn.fetch(statement, *args) for conn in sessions))
 
 
 def _recalled(rows: Sequence[asyncpg.Record]) -> list[RecalledObservation]:

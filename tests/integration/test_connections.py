@@ -8,7 +8,7 @@ from contextlib import AsyncExitStack
 import asyncpg
 import pytest
 
-from consolidation import db, queue, runtime
+from consolidation import db, queue, runtime, store
 from consolidation.settings import load_settings
 from tests.integration.engine_helpers import wait_for
 from tests.integration.test_queue import expire
@@ -111,3 +111,27 @@ async def test_a_stalled_worker_on_a_host_with_a_long_name_is_fenced(
 async def test_a_pool_refuses_a_name_postgres_would_change(database_url: str) -> None:
     with pytest.raises(ValueError, match="application_name"):
         await db.create_pool(database_url, application_name="w" * 64)
+
+
+async def test_a_foreground_runtime_starts_with_its_connections_open_and_warm(
+    pool: asyncpg.Pool, database_url: str
+) -> None:
+    # replay's pool (runtime.foreground_pool): before the operation starts, one session per
+    # group slot and two more are open, and each has run a group's first recall statement, so
+    # the operation's first passes pay neither a new session nor its first recall.
+    settings = load_settings(database_url=database_url, group_parallelism=3)
+    size, warm = runtime.foreground_pool(settings)
+    assert (size, warm) == (7, 5)
+    async with runtime.open_runtime(settings, pool_size=size, warm=warm) as rt:
+        assert await sessions_named(pool, rt.worker_id) == warm
+        async with AsyncExitStack() as held:
+            sessions = [await held.enter_async_context(rt.pool.acquire()) for _ in range(warm)]
+            prepared = [
+                await conn.fetchval(
+                    "SELECT count(*) FROM pg_prepared_statements WHERE statement = $1",
+                    store.recall_statement(2, hybrid=False),
+                )
+                for conn in sessions
+            ]
+        assert prepared == [1] * warm
+        assert await sessions_named(pool, rt.worker_id) == warm
