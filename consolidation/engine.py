@@ -349,6 +349,8 @@ class OperationRun:
                     if in_flight:
                         # A wave fetched ahead serves later slots; the first calls go first.
                         await self._behind_slot_holders()
+                        if not self._wants_another_wave(len(in_flight)):
+                            break  # a group failed for good meanwhile: its error is the run's
                     self._checkpoint()  # between waves
                     wave = await store.fetch_wave(
                         self.pool,
