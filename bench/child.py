@@ -288,7 +288,7 @@ async def run(spec: RunSpec) -> dict[str, Any]:
     try:
         # The replay's pool, session options and warm connections (cli._replay /
         # runtime.open_runtime and foreground_pool).
-        size, warm = runtime.foreground_pool(settings)
+        size, warm = runtime.foreground_pool(settings.group_parallelism)
         pool = await db.create_pool(
             spec.database_url,
             min_size=warm,

@@ -23,7 +23,7 @@ from typing import Any
 
 import orjson
 
-from consolidation import db, queue, store
+from consolidation import db, queue, runtime, store
 from consolidation.queue import Lease
 from consolidation.scopes import Scope
 
@@ -149,11 +149,10 @@ async def replay(database_url: str, recording: bytes, group_parallelism: int) ->
     """Send a recorded run's statements to ``database_url`` (a fresh clone of the same bank);
     returns the wall time and how many memories its markers marked."""
     waves = orjson.loads(recording)
-    # Warm, as the engine's pool is (runtime.foreground_pool): neither pays for new sessions.
-    pool = await db.create_pool(
-        database_url, min_size=group_parallelism + 2, max_size=group_parallelism + 4
-    )
-    await store.warm(pool, group_parallelism + 2, hybrid=_hybrid(waves))
+    # Warm, as the engine's pool is: neither pays for new sessions.
+    size, warm = runtime.foreground_pool(group_parallelism)
+    pool = await db.create_pool(database_url, min_size=warm, max_size=size)
+    await store.warm(pool, warm, hybrid=_hybrid(waves))
     slots = asyncio.Semaphore(group_parallelism)
     last_writer: dict[Scope, asyncio.Task[None]] = {}
     try:

@@ -154,7 +154,7 @@ async def _replay(settings: Settings, bank: str, reset: bool, bar: ProgressBar) 
     from consolidation.engine import StopReason, StopSignal, run_operation
     from consolidation.runtime import foreground_pool, open_runtime
 
-    size, warm = foreground_pool(settings)
+    size, warm = foreground_pool(settings.group_parallelism)
     async with open_runtime(settings, pool_size=size, kind="replay", warm=warm) as rt:
         if not await store.bank_exists(rt.pool, bank):
             raise CLIError(f"bank {bank!r} does not exist (ingest memories into it first)")

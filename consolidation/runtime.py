@@ -127,12 +127,13 @@ class Runtime:
     embedder: Embedder | None = None  # set with CONSOLIDATION_EMBEDDINGS_BASE_URL
 
 
-def foreground_pool(settings: Settings) -> tuple[int, int]:
-    """The pool of an operation run in the foreground (``replay``, and the benchmark's engine,
-    which runs it alike): its size, and how many of its connections are opened and warmed
-    before the operation starts — one per group slot, and two for the waves' fetches and
-    markers. A process that runs one operation and exits has no reason to open them lazily."""
-    return settings.group_parallelism + 4, settings.group_parallelism + 2
+def foreground_pool(group_parallelism: int) -> tuple[int, int]:
+    """The pool of an operation run in the foreground (``replay``, and the benchmark's engine
+    and its database-only replay, which run it alike): its size, and how many of its
+    connections are opened and warmed before the operation starts — one per group slot, and
+    two for the waves' fetches and markers. A process that runs one operation and exits has no
+    reason to open them lazily."""
+    return group_parallelism + 4, group_parallelism + 2
 
 
 @asynccontextmanager

@@ -787,10 +787,7 @@ async def warm(pool: asyncpg.Pool, connections: int, *, hybrid: bool = False) ->
     about ten times a warm one (the server loads its catalogs and compiles the recall
     function; asyncpg prepares the statement): paid here, at once, instead of by the first
     passes of the operation, whose LLM calls wait on it (docs/benchmarks.md, #16)."""
-    empty = RecallRequest((), (), 0, () if hybrid else None)
-    args: list[Any] = []
-    for _ in range(2):
-        args += ["", *_recall_args(empty, hybrid)]
+    args = ["", *_recall_args(RecallRequest((), (), 0), hybrid)] * 2
     statement = recall_statement(2, hybrid)
     async with contextlib.AsyncExitStack() as held:
         # One after the other: a pool opened with min_size=connections has them open already.

@@ -120,7 +120,7 @@ async def test_a_foreground_runtime_starts_with_its_connections_open_and_warm(
     # group slot and two more are open, and each has run a group's first recall statement, so
     # the operation's first passes pay neither a new session nor its first recall.
     settings = load_settings(database_url=database_url, group_parallelism=3)
-    size, warm = runtime.foreground_pool(settings)
+    size, warm = runtime.foreground_pool(settings.group_parallelism)
     assert (size, warm) == (7, 5)
     async with runtime.open_runtime(settings, pool_size=size, warm=warm) as rt:
         assert await sessions_named(pool, rt.worker_id) == warm
