@@ -11,8 +11,12 @@ from consolidation.engine import StopReason, StopSignal, run_operation
 from consolidation.fake_llm import FakeLLMServer
 from consolidation.settings import Settings
 from tests.integration.engine_helpers import grew, http_llm, ingest, topics, wait_for
+from tests.integration.test_engine import APPLY_GATE
 from tests.invariants import assert_consistent
 from tests.proxy import TcpProxy
+
+# An apply waiting at APPLY_GATE for the advisory lock the test holds.
+AT_THE_GATE = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
 
 FULLY_JOURNALED_BUT_UNMARKED = """
 SELECT count(*) FROM memories m
@@ -30,28 +34,34 @@ async def test_a_pass_applied_while_its_operation_is_cancelled_is_marked_and_cou
 ) -> None:
     # The apply commits on the server, but its reply is held by the network when the cancel
     # lands: the engine never hears that it succeeded. The journal has the pass all the same,
-    # so the cancelled operation must mark its memories and count them as processed.
+    # so the cancelled operation must mark its memories and count them as processed. The
+    # applies wait at a gate (an advisory lock the test holds) until the replies are held, so
+    # one is sure to commit unheard: waiting for one sent during the hold could wait forever
+    # once every group had its apply's reply outstanding.
     await ingest(pool, "b", topics(6, 3))
+    await pool.execute(APPLY_GATE)
     fake.control(latency_ms=20)
+    gate = await asyncpg.connect(database_url)
     async with TcpProxy.in_front_of(database_url) as proxy:
         engine_pool = await db.create_pool(proxy.url(database_url), min_size=1, max_size=12)
         llm = http_llm(fake.url)
         try:
+            await gate.execute("SELECT pg_advisory_lock(4242)")
             lease = await queue.start_foreground(pool, "b", "test-worker", 30)
             stop = StopSignal()
             settings = Settings(llm_batch_size=1, group_parallelism=6)
             run = asyncio.create_task(run_operation(engine_pool, lease, llm, settings, stop=stop))
-            journal = "SELECT count(*) FROM consolidation_outcomes"
-            await wait_for(lambda: pool.fetchval(journal), what="a first applied pass")
+            await wait_for(lambda: pool.fetchval(AT_THE_GATE), what="an apply waiting at the gate")
             proxy.hold()
-            held_from = await pool.fetchval(journal)
-            await wait_for(
-                lambda: grew(pool, journal, held_from), what="an apply committed unheard"
-            )
+            await gate.execute("SELECT pg_advisory_unlock(4242)")
+            journal = "SELECT count(*) FROM consolidation_outcomes"
+            await wait_for(lambda: grew(pool, journal, 0), what="an apply committed unheard")
             stop.set(StopReason.CANCEL)
             proxy.release()
             end = await asyncio.wait_for(run, 30)
         finally:
+            proxy.release()
+            await gate.close()
             await llm.aclose()
             await engine_pool.close()
     assert end.status == "cancelled"
