@@ -30,6 +30,7 @@ _STOP_WORDS_TEXT = """
 """
 _STOP_WORDS = frozenset(_STOP_WORDS_TEXT.split())
 _WORD = re.compile(r"[^\W_]+")
+_ASCII_NON_WORD = str.maketrans({c: " " for c in map(chr, range(128)) if not c.isalnum()})
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 # A scope's observations come back in request after request until one of them changes, and
 # tokenizing them was most of the fake LLM's CPU. Bounded: at most this many texts of at most
@@ -67,9 +68,18 @@ class _Memo(Generic[T]):
                 self._values.popitem(last=False)
 
 
+def _words(lowered: str) -> set[str]:
+    """The distinct words of ``lowered``: runs of letters and digits (Unicode's, as ``\\w``
+    less the underscore)."""
+    if lowered.isascii():
+        # The same runs, three times faster than the regular expression: every ASCII character
+        # that is not a letter or digit becomes a space, and split() cuts the runs out.
+        return set(lowered.translate(_ASCII_NON_WORD).split())
+    return set(_WORD.findall(lowered))
+
+
 def _derive_tokens(text: str) -> frozenset[str]:
-    words = set(_WORD.findall(text.lower()))
-    return frozenset(word for word in words if len(word) > 1) - _STOP_WORDS
+    return frozenset(word for word in _words(text.lower()) if len(word) > 1) - _STOP_WORDS
 
 
 _tokens = _Memo(_derive_tokens)

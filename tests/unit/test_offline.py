@@ -272,3 +272,16 @@ def test_an_appended_texts_words_known_from_its_parts_are_its_own(
 def test_similarity_is_symmetric_and_bounded(a: str, b: str) -> None:
     assert similarity(a, b) == similarity(b, a)
     assert 0.0 <= similarity(a, b) <= 1.0
+
+
+@given(st.text(alphabet=st.characters(max_codepoint=127), max_size=200))
+def test_an_ascii_texts_words_are_the_runs_the_regular_expression_finds(text: str) -> None:
+    # ASCII text takes a faster path than the regular expression (every text the fake LLM
+    # tokenizes in the benchmark); it must cut exactly the same words.
+    lowered = text.lower()
+    assert offline._words(lowered) == set(offline._WORD.findall(lowered))
+
+
+def test_a_text_with_any_non_ascii_letter_is_cut_by_unicode_rules() -> None:
+    assert offline._words("café_au lait, naïve") == {"café", "au", "lait", "naïve"}
+    assert offline._words("tea_time: 2 cups") == {"tea", "time", "2", "cups"}
