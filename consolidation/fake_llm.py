@@ -278,7 +278,9 @@ def _parse(body: bytes) -> _Parsed:
     if user_content is None:
         problem = "messages must contain a user message with string content"
         return parsed(user=None, bank=None, scope=None, fact_texts=(), problem=problem)
-    user = prompts.find_request_object(user_content)
+    # Parsed once: a user message that is the whole object carries no instructions.
+    whole = _json_object(user_content)
+    user = whole if whole is not None else prompts.find_request_object(user_content)
     if user is None:
         problem = "the user message content does not end with the JSON object of DESIGN §3"
         return parsed(user=None, bank=None, scope=None, fact_texts=(), problem=problem)
@@ -295,7 +297,7 @@ def _parse(body: bytes) -> _Parsed:
             if isinstance(fact, dict) and isinstance(fact.get("text"), str)
         ),
         problem=None,
-        instructed_user=not _is_json_object(user_content),
+        instructed_user=whole is None,
     )
 
 
@@ -309,11 +311,12 @@ def _observation_texts(user: dict[str, Any] | None) -> list[str]:
     ]
 
 
-def _is_json_object(content: str) -> bool:
+def _json_object(content: str) -> dict[str, Any] | None:
     try:
-        return isinstance(orjson.loads(content), dict)
+        value = orjson.loads(content)
     except orjson.JSONDecodeError:
-        return False
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _refusal(dialect: str, parsed: _Parsed) -> _Plan | None:
