@@ -125,6 +125,8 @@ class _MemoryState:
         """The scopes still to pass (none once failed)."""
         if self.failure is not None:
             return ()
+        if not self.applied:
+            return self.todo  # asked for every member and scope of every pass planned
         return tuple(s for s in self.todo if s not in self.applied)
 
     def finished(self) -> bool:

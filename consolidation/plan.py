@@ -42,10 +42,11 @@ class Pass(Generic[T]):
 
 def part_passes(batch: int, part: Sequence[T], todo: Todo[T]) -> list[Pass[T]]:
     """The passes ``part`` makes, in order: one per scope its members still need, sorted."""
-    scopes = sorted({scope for member in part for scope in todo(member)})
+    needs = [(member, todo(member)) for member in part]
+    scopes = sorted({scope for _, wants in needs for scope in wants})
     members = tuple(part)
     return [
-        Pass(batch, scope, tuple(m for m in members if scope in todo(m)), members)
+        Pass(batch, scope, tuple(m for m, wants in needs if scope in wants), members)
         for scope in scopes
     ]
 
