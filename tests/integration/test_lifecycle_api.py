@@ -195,8 +195,7 @@ async def test_metrics_show_the_backlog_of_every_bank(
 async def test_a_scrape_answers_without_the_backlog_when_the_database_does_not(
     database_url: str, make_client: ClientFactory
 ) -> None:
-    host, port = "127.0.0.1", 5432
-    async with TcpProxy(host, port) as proxy:
+    async with TcpProxy.in_front_of(database_url) as proxy:
         stalled = await db.create_pool(proxy.url(database_url), min_size=1, max_size=2)
         try:
             async with make_client(on=stalled, auto_consolidate=False) as client:
