@@ -321,6 +321,10 @@ class OperationRun:
         self._preparing: set[Claim] = set()
         self._settled: asyncio.Future[None] | None = None
         self._last_writer: dict[Scope, Claim] = {}
+        # The plans of the groups queued, and the first recalls a group's last apply fetched
+        # for a group waiting on it alone (:meth:`_successor_recall`).
+        self._plans: dict[Claim, GroupPlan[_MemoryState]] = {}
+        self._handed: dict[Claim, RecallAhead] = {}
         self._waves_launched = 0
         self._closing = asyncio.Lock()
         self.log = log.bind(operation_id=str(lease.operation_id), bank_id=lease.bank_id)
@@ -444,6 +448,8 @@ class OperationRun:
         )
 
     def _group_ended(self, claim: Claim, _: asyncio.Task[None]) -> None:
+        self._plans.pop(claim, None)
+        self._handed.pop(claim, None)
         self._prepared(claim)
         self._slots.finish(claim)
 
@@ -592,9 +598,12 @@ class OperationRun:
         Its first two recalls are fetched before it holds a slot, once it is next in line for
         one (:meth:`SlotAllocator.on_deck`): nothing else writes its scopes by then (their
         earlier writers are done, and the groups of its wave write others), and its first LLM
-        call starts the moment a slot is freed. With embeddings, the recalls wait for the
-        wave's facts to be embedded (``facts``)."""
+        call starts the moment a slot is freed. A group of one pass that waited on one earlier
+        group alone has its recall already: that group's last apply fetched it
+        (:meth:`_successor_recall`). With embeddings, the recalls wait for the wave's facts to
+        be embedded (``facts``)."""
         plan = GroupPlan(group, self.settings.llm_batch_size, _MemoryState.remaining)
+        self._plans[claim] = plan
         ahead: _Ahead | None = None
         opening: PerfLog | None = None  # the first recalls' time, for the first batch
         try:
@@ -606,6 +615,8 @@ class OperationRun:
                 # Shielded: the request serves the wave's other groups, whatever becomes of us.
                 await asyncio.shield(facts)
             if self._may_start():
+                ahead = self._handed_over(claim, plan)
+            if ahead is None and self._may_start():
                 await self._behind_slot_holders(claim)
                 if claim.holds:
                     self._prepare(claim)
@@ -659,6 +670,36 @@ class OperationRun:
         """The recalls of the group's first two passes, in one statement."""
         steps = [step for step in (plan.peek(), plan.peek(2)) if step is not None]
         return _Ahead(await self._recall([await self._wanted(step, perf) for step in steps], perf))
+
+    def _successor_recall(self, claim: Claim) -> tuple[Claim, store.RecallRequest] | None:
+        """For the last pass of ``claim``'s group: a queued group that waits on it alone and
+        makes one pass, with the recall of that pass. The last apply fetches it after its own
+        writes, in its transaction, instead of that group sending a statement of its own once
+        it is ready: nothing else can write its scope in between (every other earlier writer
+        is done, the groups of its wave write other scopes, later ones wait on it). Lexical
+        recall only: a hybrid one needs the facts' vectors of a wave that may not have them
+        yet."""
+        if self.embedder is not None:
+            return None
+        for later in claim.later:
+            if later.done or later.after != {claim} or later in self._handed:
+                continue
+            plan = self._plans.get(later)
+            if plan is None or (first := plan.peek()) is None or plan.peek(2) is not None:
+                continue
+            return later, self._recall_request(first)
+        return None
+
+    def _handed_over(self, claim: Claim, plan: GroupPlan[_MemoryState]) -> _Ahead | None:
+        """The first recall the last apply of the group ``claim`` waited on fetched for it,
+        if it is still the recall of the group's one pass."""
+        handed = self._handed.pop(claim, None)
+        first = plan.peek()
+        if handed is None or first is None or plan.peek(2) is not None:
+            return None
+        if handed.request != self._recall_request(first):
+            return None
+        return _Ahead((handed,))
 
     async def _recall(
         self, wanted: Sequence[store.RecallRequest], perf: PerfLog
@@ -786,6 +827,9 @@ class OperationRun:
             request = self._pass_request(step, recalled)
             chat = pass_chat(request)
         following_recall = None if following is None else await self._wanted(following, perf)
+        successor = None
+        if upcoming is None and following is None and claim is not None:
+            successor = self._successor_recall(claim)
         for attempt in (1, 2):
             started_early: _Speculation | None = None
             try:
@@ -812,7 +856,7 @@ class OperationRun:
                         self.pool,
                         self.lease,
                         write,
-                        following_recall,
+                        following_recall if successor is None else successor[1],
                         embeddings=self.embedder is not None,
                     )
                 except store.StaleObservation as exc:
@@ -840,6 +884,8 @@ class OperationRun:
                 raise
             for member, outcome in zip(step.members, write.outcomes, strict=True):
                 member.applied[step.scope] = outcome.action
+            if successor is not None and fetched_next is not None:
+                self._handed[successor[0]] = RecallAhead(successor[1], fetched_next)
             recalls = []
             if following_recall is not None and fetched_next is not None:
                 recalls.append(RecallAhead(following_recall, fetched_next))

@@ -301,6 +301,51 @@ async def test_waves_are_pipelined_but_a_scope_never_runs_twice_at_once_nor_out_
     assert calls["Note 5 about topic b"]["started"] < calls["Note 2 about topic s"]["ended"]
 
 
+async def test_a_groups_last_apply_brings_the_recall_of_the_next_waves_group_waiting_on_it(
+    database_url: str, fake: FakeLLMServer
+) -> None:
+    # Waves of 4: scope "s" makes three passes in wave 1 and one in wave 2. Wave 2's "s" group
+    # waits on wave 1's alone, so the last apply of wave 1's fetches its recall, after its own
+    # writes and in its transaction: no recall statement of its own, and what it recalls
+    # includes the observation that apply wrote.
+    fake.control(latency_ms=40)
+    statements: list[tuple[str, tuple[Any, ...]]] = []
+
+    async def init(conn: asyncpg.Connection) -> None:
+        await db._init_connection(conn)
+        conn.add_query_logger(lambda record: statements.append((record.query, record.args)))
+
+    pool = await asyncpg.create_pool(database_url, init=init, min_size=1, max_size=10)
+    try:
+        order = ["s", "s", "s", "a", "s", "b", "c", "d"]
+        memories = [
+            {"text": f"Note {i} about topic {tag}", "tags": [tag]} for i, tag in enumerate(order)
+        ]
+        ids = await ingest(pool, "b", memories)
+        statements.clear()
+        client = http_llm(fake.url)
+        try:
+            end = await consolidate(
+                pool, "b", client, Settings(wave_size=4, llm_batch_size=1, group_parallelism=8)
+            )
+        finally:
+            await client.aclose()
+        assert await markers(pool, "b") == {"consolidated": 8, "failed": 0, "pending": 0}
+    finally:
+        await pool.close()
+    assert end.status == "completed" and end.summary.waves == 2
+    note_4 = "Note 4 about topic s"
+    recalls = [args for query, args in statements if query == store.recall_statement(1, False)]
+    assert len(recalls) == 4  # wave 1's "a", wave 2's "b", "c" and "d"; wave 1's "s" recalls two
+    assert not any(note_4 in args for query, args in statements if query.startswith("SELECT 0"))
+    (carrier,) = [
+        args for query, args in statements if query == store.APPLY_PASS and note_4 in args
+    ]
+    assert [o["memory_id"] for o in carrier[0]["outcomes"]] == [ids[2]]
+    (call,) = [c for c in fake.stats()["calls"] if list(c["fact_texts"]) == [note_4]]
+    assert any("Note 2 about topic s" in text for text in call["observation_texts"])
+
+
 async def test_a_freed_slot_goes_to_the_chain_that_continues_into_the_next_wave(
     pool: asyncpg.Pool, fake: FakeLLMServer
 ) -> None:
