@@ -616,12 +616,12 @@ class OperationRun:
                 await asyncio.shield(facts)
             if self._may_start():
                 ahead = self._handed_over(claim, plan)
-            if ahead is None and self._may_start():
-                await self._behind_slot_holders(claim)
-                if claim.holds:
-                    self._prepare(claim)
-                opening = PerfLog()
-                ahead = await self._first_recalls(plan, opening)
+                if ahead is None:
+                    await self._behind_slot_holders(claim)
+                    if claim.holds:
+                        self._prepare(claim)
+                    opening = PerfLog()
+                    ahead = await self._first_recalls(plan, opening)
             self._prepared(claim)
             await self._slots.acquire(claim)
             while (step := plan.next()) is not None:
@@ -685,19 +685,17 @@ class OperationRun:
             if later.done or later.after != {claim} or later in self._handed:
                 continue
             plan = self._plans.get(later)
-            if plan is None or (first := plan.peek()) is None or plan.peek(2) is not None:
-                continue
-            return later, self._recall_request(first)
+            only = None if plan is None else _only_pass(plan)
+            if only is not None:
+                return later, self._recall_request(only)
         return None
 
     def _handed_over(self, claim: Claim, plan: GroupPlan[_MemoryState]) -> _Ahead | None:
         """The first recall the last apply of the group ``claim`` waited on fetched for it,
         if it is still the recall of the group's one pass."""
         handed = self._handed.pop(claim, None)
-        first = plan.peek()
-        if handed is None or first is None or plan.peek(2) is not None:
-            return None
-        if handed.request != self._recall_request(first):
+        only = _only_pass(plan)
+        if handed is None or only is None or handed.request != self._recall_request(only):
             return None
         return _Ahead((handed,))
 
@@ -969,6 +967,12 @@ class OperationRun:
         plan = parse_answer(answer.content, request)
         perf.llm_repaired += int(chat.repair)
         return plan
+
+
+def _only_pass(plan: GroupPlan[_MemoryState]) -> Pass[_MemoryState] | None:
+    """The group's next pass if it is the last one it plans."""
+    first = plan.peek()
+    return first if first is not None and plan.peek(2) is None else None
 
 
 def _pass_write(lease: Lease, step: Pass[_MemoryState], plan: PassPlan) -> store.PassWrite:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import asyncpg
@@ -131,13 +131,16 @@ async def test_a_401_fails_the_operation_at_once_with_a_clear_message(
 
 
 @contextlib.asynccontextmanager
-async def logged_pool(database_url: str) -> AsyncIterator[tuple[asyncpg.Pool, list[str]]]:
-    """A pool whose connections append every statement they run to the list it yields."""
-    statements: list[str] = []
+async def logged_pool(
+    database_url: str, keep: Callable[[asyncpg.connection.LoggedQuery], Any] = lambda r: r.query
+) -> AsyncIterator[tuple[asyncpg.Pool, list[Any]]]:
+    """A pool whose connections append every statement they run (``keep`` of it: its text
+    unless told otherwise) to the list it yields."""
+    statements: list[Any] = []
 
     async def init(conn: asyncpg.Connection) -> None:
         await db._init_connection(conn)
-        conn.add_query_logger(lambda record: statements.append(record.query))
+        conn.add_query_logger(lambda record: statements.append(keep(record)))
 
     pool = await asyncpg.create_pool(database_url, init=init, min_size=1, max_size=10)
     try:
@@ -309,14 +312,7 @@ async def test_a_groups_last_apply_brings_the_recall_of_the_next_waves_group_wai
     # writes and in its transaction: no recall statement of its own, and what it recalls
     # includes the observation that apply wrote.
     fake.control(latency_ms=40)
-    statements: list[tuple[str, tuple[Any, ...]]] = []
-
-    async def init(conn: asyncpg.Connection) -> None:
-        await db._init_connection(conn)
-        conn.add_query_logger(lambda record: statements.append((record.query, record.args)))
-
-    pool = await asyncpg.create_pool(database_url, init=init, min_size=1, max_size=10)
-    try:
+    async with logged_pool(database_url, keep=lambda r: (r.query, r.args)) as (pool, statements):
         order = ["s", "s", "s", "a", "s", "b", "c", "d"]
         memories = [
             {"text": f"Note {i} about topic {tag}", "tags": [tag]} for i, tag in enumerate(order)
@@ -331,8 +327,6 @@ async def test_a_groups_last_apply_brings_the_recall_of_the_next_waves_group_wai
         finally:
             await client.aclose()
         assert await markers(pool, "b") == {"consolidated": 8, "failed": 0, "pending": 0}
-    finally:
-        await pool.close()
     assert end.status == "completed" and end.summary.waves == 2
     note_4 = "Note 4 about topic s"
     recalls = [args for query, args in statements if query == store.recall_statement(1, False)]
