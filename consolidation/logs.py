@@ -48,7 +48,10 @@ def configure_logging(fmt: str | None = None, level: str = "INFO") -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level)),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # WriteLogger hands the stream each line and its newline in one write(); print() makes
+        # two system calls of it, between which another process sharing the stream (replicas
+        # behind one pipe) or the stdlib handler below could put a line of its own.
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=False,
     )
     handler = logging.StreamHandler(sys.stderr)
