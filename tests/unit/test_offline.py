@@ -285,3 +285,50 @@ def test_an_ascii_texts_words_are_the_runs_the_regular_expression_finds(text: st
 def test_a_text_with_any_non_ascii_letter_is_cut_by_unicode_rules() -> None:
     assert offline._words("café_au lait, naïve") == {"café", "au", "lait", "naïve"}
     assert offline._words("tea_time: 2 cups") == {"tea", "time", "2", "cups"}
+
+
+def _fit_by_sentences(text: str) -> str:
+    """``offline._fit`` as it cuts every text: into sentences, the oldest dropped until the rest,
+    joined by single spaces, fits."""
+    text = text.strip()
+    if len(text) <= MAX_OBSERVATION_CHARS:
+        return text
+    sentences = offline._SENTENCE_END.split(text)
+    while len(sentences) > 1 and len(" ".join(sentences)) > MAX_OBSERVATION_CHARS:
+        sentences = sentences[1:]
+    return " ".join(sentences)[:MAX_OBSERVATION_CHARS].strip()
+
+
+_sentence = st.builds(
+    lambda words, mark: " ".join(words) + mark,
+    st.lists(st.sampled_from(["Alice", "drinks", "tea", "at", "work", "café", "9"]), min_size=1),
+    st.sampled_from([".", "!", "?", "", "…"]),
+)
+_gap = st.sampled_from([" ", "  ", "\n", "\t", " \n ", "\u00a0"])
+
+
+@given(
+    st.lists(st.tuples(_sentence, _gap), min_size=1, max_size=12),
+    st.integers(1, 300),
+    st.booleans(),
+)
+def test_a_long_text_keeps_the_same_sentences_whichever_way_it_is_cut(
+    parts: list[tuple[str, str]], over: int, single_spaced: bool
+) -> None:
+    # _fit finds the cut of a text spaced by single spaces at its end instead of splitting all
+    # of it; the text kept must be the one the sentence-by-sentence cut keeps. The sentences
+    # repeat until the text is ``over`` characters past the limit, so that sentence ends fall
+    # anywhere around the cut.
+    body = "".join(s + (" " if single_spaced else g) for s, g in parts)
+    text = (body * (MAX_OBSERVATION_CHARS // len(body) + 2))[: MAX_OBSERVATION_CHARS + over]
+    assert offline._fit(text) == _fit_by_sentences(text)
+
+
+@given(st.one_of(st.text(max_size=80), st.text(alphabet="ab9Z_ .é", max_size=40), _cased))
+def test_a_texts_content_words_skip_stop_words_and_single_characters(text: str) -> None:
+    # ASCII text drops its one-character words by a set difference; the words kept must be
+    # those a length test keeps.
+    words = offline._words(text.lower())
+    assert offline._derive_tokens(text) == {
+        w for w in words if len(w) > 1 and w not in offline._STOP_WORDS
+    }
