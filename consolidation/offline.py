@@ -132,15 +132,9 @@ def _fit(text: str) -> str:
     text = text.strip()
     if len(text) <= MAX_OBSERVATION_CHARS:
         return text
-    if text.isprintable() and "  " not in text:
-        # Every run of white space is one plain space (Python counts the other white space as
-        # unprintable), so joining the kept sentences gives back a suffix of the text: the one
-        # after the first sentence end that leaves at most the limit. Found by searching the
-        # text's end instead of cutting all of it into sentences (a fifth of the fake LLM's
-        # CPU once observations reach the limit).
-        cut = _SPACED_SENTENCE_END.search(text, max(0, len(text) - MAX_OBSERVATION_CHARS - 2))
-        if cut is not None:
-            return text[cut.end() :]
+    cut = _spaced_cut(text)
+    if cut is not None:
+        return text[cut:]
     sentences = _SENTENCE_END.split(text)
     # len(" ".join(sentences[start:])), kept up to date instead of joining again per sentence.
     length = sum(map(len, sentences)) + len(sentences) - 1
@@ -152,22 +146,53 @@ def _fit(text: str) -> str:
     return " ".join(sentences[start:])[:MAX_OBSERVATION_CHARS].strip()
 
 
-def _append(text: str, addition: str) -> str:
-    """``text`` followed by ``addition``, without repeating what one already says of the other."""
-    old, new = _normalized(text), _normalized(addition)
+def _spaced_cut(text: str) -> int | None:
+    """Where ``_fit`` cuts a stripped text over the limit whose every run of white space is one
+    plain space (Python counts the other white space as unprintable), else None. Joining the
+    kept sentences of such a text gives back a suffix of it: the one after the first sentence
+    end that leaves at most the limit, found by searching the text's end instead of cutting
+    all of it into sentences (a fifth of the fake LLM's CPU once observations reach the
+    limit). None too when no sentence end leaves at most the limit."""
+    if not text.isprintable() or "  " in text:
+        return None
+    end = _SPACED_SENTENCE_END.search(text, max(0, len(text) - MAX_OBSERVATION_CHARS - 2))
+    return None if end is None else end.end()
+
+
+def _append(text: str, addition: str, fact: tuple[frozenset[str], str] | None = None) -> str:
+    """``text`` followed by ``addition``, without repeating what one already says of the other.
+    ``fact``: the words and normalized text of ``addition`` when it is a fact, which is
+    compared within its request only and so kept out of the caches."""
+    old = _normalized(text)
+    new_words, new = (_tokens(addition), _normalized(addition)) if fact is None else fact
     if _contains(old, new):
         return _fit(text)
     if _contains(new, old):
         return _fit(addition)
-    joined = f"{text} {addition}"
-    fitted = _fit(joined)
-    if fitted == joined.strip():
-        # Nothing trimmed: the words of the whole are those of its parts (the space between
-        # them ends a word in either), so the next request that shows this text, and the
-        # next fact of this one, need not tokenize its 2-4 KB again.
-        _tokens.seed(fitted, _tokens(text) | _tokens(addition))
-        _normalized.seed(fitted, f"{old} {new}" if old and new else old or new)
-    return fitted
+    whole = f"{text} {addition}".strip()
+    # The words of the whole are those of its parts (the space between them ends a word in
+    # either), so the next request that shows the text written, and the next fact of this
+    # one, need not tokenize its 2-4 KB again.
+    words = _tokens(text) | new_words
+    if len(whole) <= MAX_OBSERVATION_CHARS:
+        _tokens.seed(whole, words)
+        _normalized.seed(whole, f"{old} {new}" if old and new else old or new)
+        return whole
+    cut = _spaced_cut(whole)
+    if cut is None:
+        return _fit(whole)
+    kept = whole[cut:]
+    # Cut after a space, so no word spans the cut, and single-spaced, so its normalized text
+    # is its lower case; in ASCII text lower case keeps every position. Then only the words of
+    # the dropped beginning need looking for again, in what is kept: worth it while that
+    # beginning is short (a fact pushing out the oldest sentences), not for a merge that
+    # drops half of a long text.
+    if whole.isascii() and cut <= len(kept) // 4:
+        lowered = kept.lower()
+        dropped = _derive_tokens(whole[:cut])
+        _tokens.seed(kept, words - {word for word in dropped if not _contains(lowered, word)})
+        _normalized.seed(kept, lowered)
+    return kept
 
 
 @dataclass(eq=False)  # identity matters: two entries may hold equal text
@@ -213,7 +238,9 @@ def consolidate(request: Mapping[str, Any]) -> dict[str, Any]:
         ref, fact_text = str(fact["ref"]), " ".join(str(fact.get("text") or "").split())
         if not fact_text:
             continue  # nothing to say; the fact stays uncited and is reported as skipped
-        fact_tokens, fact_normalized = _tokens(fact_text), fact_text.lower()
+        # Facts are compared within their own request only: derived, not cached, so that the
+        # caches hold the observation texts that come back request after request.
+        fact_tokens, fact_normalized = _derive_tokens(fact_text), fact_text.lower()
         scored = [(_score(entry, fact_normalized, fact_tokens), entry) for entry in working]
         # sorted() is stable, so ties keep working-set order and the answer stays deterministic.
         matches = [
@@ -234,7 +261,7 @@ def consolidate(request: Mapping[str, Any]) -> dict[str, Any]:
         else:
             target = _Entry(text="", refs=[])
             working.append(target)
-        target.text = _append(target.text, fact_text)
+        target.text = _append(target.text, fact_text, (fact_tokens, fact_normalized))
         target.cite(ref)
 
     answer: dict[str, Any] = {"creates": [], "updates": [], "merges": []}

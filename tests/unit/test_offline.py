@@ -332,3 +332,51 @@ def test_a_texts_content_words_skip_stop_words_and_single_characters(text: str) 
     assert offline._derive_tokens(text) == {
         w for w in words if len(w) > 1 and w not in offline._STOP_WORDS
     }
+
+
+_ascii_sentence = st.builds(
+    lambda words, mark: " ".join(words) + mark,
+    st.lists(
+        st.sampled_from(["Alice", "drinks", "green", "tea", "at", "work", "9", "x1", "on-call"]),
+        min_size=1,
+        max_size=8,
+    ),
+    st.sampled_from([".", "!", "?", ""]),
+)
+
+
+@given(
+    st.lists(_ascii_sentence, min_size=1, max_size=10),
+    st.lists(_ascii_sentence, min_size=1, max_size=3),
+    st.integers(0, 200),
+)
+def test_a_trimmed_texts_words_known_from_what_it_dropped_are_its_own(
+    sentences: list[str], fact: list[str], short_of_limit: int
+) -> None:
+    # An observation near the limit takes a fact and drops its oldest sentences; _append works
+    # out the words of what is kept from the whole's words less those only the dropped
+    # beginning had, and tells the caches. They must be what tokenizing the kept text gives.
+    body = " ".join(sentences) + " "
+    text = (body * (MAX_OBSERVATION_CHARS // len(body) + 1))[
+        : MAX_OBSERVATION_CHARS - short_of_limit
+    ].strip()
+    kept = offline._append(text, " ".join(fact))
+    for memo, derive in (
+        (offline._tokens, offline._derive_tokens),
+        (offline._normalized, offline._derive_normalized),
+    ):
+        if kept in memo._values:
+            assert memo._values[kept] == derive(kept), kept
+
+
+def test_a_fact_that_pushes_out_the_oldest_sentence_leaves_the_kept_texts_words_known() -> None:
+    # The case the benchmark lives in: the caches learn the kept text's words without
+    # tokenizing it, and "berlin", said only in the dropped sentence, is not among them.
+    text = "Alice moved to Berlin. " + "Alice drinks green tea at work. " * 128
+    text = text.strip()[:MAX_OBSERVATION_CHARS]
+    kept = offline._append(text, "Alice now drinks oolong on Fridays.")
+    assert not kept.startswith("Alice moved") and kept.endswith("oolong on Fridays.")
+    assert kept in offline._tokens._values  # not derived: known from its parts
+    assert offline._tokens._values[kept] == offline._derive_tokens(kept)
+    assert "berlin" not in offline._tokens._values[kept]
+    assert offline._normalized._values[kept] == offline._derive_normalized(kept)
