@@ -21,6 +21,7 @@ import resource
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -149,6 +150,28 @@ class _BackendCPU:
         return sum(cpu - self._baseline.get(pid, 0.0) for pid, cpu in self._last.items())
 
 
+@contextlib.contextmanager
+def _backend_pids(
+    backends: _BackendCPU, on_query: Callable[[Any], None] | None = None
+) -> Iterator[None]:
+    """Pools created within: each connection's backend is told to ``backends`` (and gets the
+    query logger ``on_query``) by wrapping db.create_pool's connection initialiser, which a
+    pool keeps for the connections it opens later."""
+    init_connection = db._init_connection
+
+    async def init(conn: asyncpg.Connection) -> None:
+        await init_connection(conn)
+        backends.pids.add(conn.get_server_pid())
+        if on_query is not None:
+            conn.add_query_logger(on_query)
+
+    db._init_connection = init
+    try:
+        yield
+    finally:
+        db._init_connection = init_connection
+
+
 def _where(handle: asyncio.events.Handle) -> str:
     """The innermost frame a task's coroutine chain is suspended at (or the callback)."""
     callback = getattr(handle, "_callback", None)
@@ -274,18 +297,8 @@ async def run(spec: RunSpec) -> dict[str, Any]:
 
     # The pool comes from db.create_pool itself (so any change there is measured); its
     # connection initialiser is wrapped to add the query logger.
-    init_connection = db._init_connection
-
     backends = _BackendCPU()
-
-    async def init(conn: asyncpg.Connection) -> None:
-        await init_connection(conn)
-        backends.pids.add(conn.get_server_pid())
-        if spec.count_statements:
-            conn.add_query_logger(on_query)
-
-    db._init_connection = init  # type: ignore[assignment]
-    try:
+    with _backend_pids(backends, on_query if spec.count_statements else None):
         # The replay's pool, session options and warm connections (cli._replay /
         # runtime.open_runtime and foreground_pool).
         size, warm = runtime.foreground_pool(settings.group_parallelism)
@@ -296,8 +309,6 @@ async def run(spec: RunSpec) -> dict[str, Any]:
             application_name="bench-worker",
             timeouts=db.Timeouts.for_lease(60.0),
         )
-    finally:
-        db._init_connection = init_connection  # type: ignore[assignment]
     llm = runtime.build_consolidator(settings)
     # With embeddings (the fake's /v1/embeddings): the service's client and start-up check.
     embedder = build_embedder(settings)
@@ -400,7 +411,11 @@ async def replay(spec: RunSpec) -> dict[str, Any]:
     settings = load_settings(**spec.settings)
     assert spec.replay_from is not None
     recording = await asyncio.to_thread(Path(spec.replay_from).read_bytes)
-    return await replay_recording(spec.database_url, recording, settings.group_parallelism)
+    backends = _BackendCPU()
+    with _backend_pids(backends):
+        return await replay_recording(
+            spec.database_url, recording, settings.group_parallelism, backends
+        )
 
 
 def main() -> None:

@@ -8,7 +8,9 @@ statements to a fresh clone of the same bank with no engine, no LLM and no HTTP:
 functions of ``store`` on the same pool settings, groups in parallel up to the group parallelism,
 each group's statements in order, a group behind the earlier groups that write one of its scopes,
 and each wave's markers once its groups are done. Engine memories/s divided by replay
-memories/s is the fraction of the database's own pace the engine reaches.
+memories/s is the fraction of the database's own pace the engine reaches; the replay's CPU (its
+own and its Postgres backends') says what of the gap is the CPU the engine and the fake LLM add
+and what is cores the engine run leaves idle.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -107,6 +109,15 @@ class Recorder:
         )
 
 
+class CPUMeter(Protocol):
+    """CPU seconds of the Postgres backends serving a pool, between :meth:`start` and
+    :meth:`stop` (bench/child.py's ``_BackendCPU``)."""
+
+    def start(self) -> None: ...
+
+    async def stop(self) -> float: ...
+
+
 def _write(raw: dict[str, Any], operation_id: uuid.UUID) -> store.PassWrite:
     return store.PassWrite(
         bank_id=raw["bank_id"],
@@ -145,9 +156,15 @@ def _recall_request(raw: dict[str, Any] | None) -> store.RecallRequest | None:
     )
 
 
-async def replay(database_url: str, recording: bytes, group_parallelism: int) -> dict[str, Any]:
+async def replay(
+    database_url: str,
+    recording: bytes,
+    group_parallelism: int,
+    backends: CPUMeter | None = None,
+) -> dict[str, Any]:
     """Send a recorded run's statements to ``database_url`` (a fresh clone of the same bank);
-    returns the wall time and how many memories its markers marked."""
+    returns the wall time, how many memories its markers marked and the CPU seconds this
+    process spent sending them (with ``backends``, the pool's backends' too)."""
     waves = orjson.loads(recording)
     # Warm, as the engine's pool is: neither pays for new sessions.
     size, warm = runtime.foreground_pool(group_parallelism)
@@ -157,6 +174,9 @@ async def replay(database_url: str, recording: bytes, group_parallelism: int) ->
     last_writer: dict[Scope, asyncio.Task[None]] = {}
     try:
         lease = await queue.start_foreground(pool, waves[0]["fetch"]["bank"], "dbonly", 600)
+        if backends is not None:
+            backends.start()
+        cpu_before = time.process_time()
         started = time.perf_counter()
         wave_tasks = []
         for wave in waves:
@@ -180,6 +200,8 @@ async def replay(database_url: str, recording: bytes, group_parallelism: int) ->
             wave_tasks.append(asyncio.create_task(_markers(pool, lease, groups, wave["markers"])))
         marked = sum(await asyncio.gather(*wave_tasks))
         wall = time.perf_counter() - started
+        driver_cpu = time.process_time() - cpu_before
+        backend_cpu = None if backends is None else await backends.stop()
         await queue.finish(pool, lease, "completed")
     finally:
         await pool.close()
@@ -188,6 +210,8 @@ async def replay(database_url: str, recording: bytes, group_parallelism: int) ->
         "wall_s": wall,
         "memories": marked,
         "memories_per_s": marked / wall if wall else 0.0,
+        "driver_cpu_s": driver_cpu,
+        "postgres_cpu_s": backend_cpu,
     }
 
 

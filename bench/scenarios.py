@@ -81,6 +81,12 @@ class Scenario:
         return min(settings.group_parallelism, settings.llm_max_concurrent)
 
 
+def _cores_busy(record: dict[str, Any]) -> float:
+    """Cores an engine run kept busy on average: the CPU of the engine, its Postgres backends
+    and the fake LLM over the wall time."""
+    return sum(record["cpu_ms_per_memory"].values()) * record["memories_per_s"] / 1000
+
+
 def _median(values: Sequence[float]) -> float:
     return float(statistics.median(values)) if values else float("nan")
 
@@ -417,9 +423,17 @@ async def replay_database_work(
         result = await run_child(spec, bench.results_dir / "logs" / f"{name}.log")
     finally:
         await bench.dbs.drop(url)
+    memories = max(1, result["memories"])
+    result["cpu_ms_per_memory"] = {
+        "driver": 1000 * result["driver_cpu_s"] / memories,
+        "postgres": 1000 * result["postgres_cpu_s"] / memories,
+    }
+    result["cores_busy"] = (result["driver_cpu_s"] + result["postgres_cpu_s"]) / result["wall_s"]
+    cpu = result["cpu_ms_per_memory"]
     bench.log(
         f"    {scenario.label} database work alone: {result['wall_s']:.2f}s, "
-        f"{result['memories_per_s']:.0f} mem/s"
+        f"{result['memories_per_s']:.0f} mem/s, CPU ms/mem driver {cpu['driver']:.2f} "
+        f"pg {cpu['postgres']:.2f}, {result['cores_busy']:.2f} cores busy"
     )
     return result
 
@@ -450,6 +464,15 @@ async def throughput(
     # Each engine run beside the replay that followed it: the machine's pace drifts over a
     # run of minutes (a shared host), and a pair sees the same pace.
     pairs = [r["memories_per_s"] / d["memories_per_s"] for r, d in zip(runs, replays, strict=True)]
+    # The fraction is the product of two ratios, each of a run and its replay: the CPU a
+    # memory costs in the replay over what it costs in the engine run (engine, its backends
+    # and the fake LLM, all on this machine's cores), and how many cores the engine run keeps
+    # busy over how many the replay does.
+    cpu_ratios = [
+        sum(d["cpu_ms_per_memory"].values()) / sum(r["cpu_ms_per_memory"].values())
+        for r, d in zip(runs, replays, strict=True)
+    ]
+    busy_ratios = [_cores_busy(r) / d["cores_busy"] for r, d in zip(runs, replays, strict=True)]
     return {
         "shape": shape.to_json(),
         **summary,
@@ -458,6 +481,13 @@ async def throughput(
         "fraction_of_database_only": _median(pairs),
         "fraction_of_database_only_pairs": [round(p, 3) for p in pairs],
         "fraction_of_medians": summary["memories_per_s"] / database_only,
+        "database_only_cpu_ms_per_memory": {
+            k: _median([d["cpu_ms_per_memory"][k] for d in replays]) for k in ("driver", "postgres")
+        },
+        "cores_busy": _median([_cores_busy(r) for r in runs]),
+        "database_only_cores_busy": _median([d["cores_busy"] for d in replays]),
+        "cpu_ratio_of_database_only": _median(cpu_ratios),
+        "cores_busy_ratio_of_database_only": _median(busy_ratios),
         "llm_calls": first["llm_calls"],
         "memories_per_llm_call": first["memories"] / max(1, first["llm_calls"]),
         "statements_per_llm_call": first["statements_per_llm_call"],
