@@ -196,11 +196,15 @@ def _fraction_parts(thr: dict[str, Any]) -> str:
     neither)."""
     if "cpu_ratio_of_database_only" not in thr:
         return ""
-    run = sum(thr["cpu_ms_per_memory"].values())
+    cpu = thr["cpu_ms_per_memory"]
+    run = sum(cpu.values())
     alone = sum(thr["database_only_cpu_ms_per_memory"].values())
+    # The fake LLM shares this machine's cores; a deployment's model runs elsewhere.
+    without_fake = alone / (run - cpu["fake_llm"])
     return (
         f"; = CPU a memory costs, {alone:.2f} ms alone over {run:.2f} ms in the engine run "
-        f"({thr['cpu_ratio_of_database_only']:.3f}) × cores kept busy, "
+        f"({thr['cpu_ratio_of_database_only']:.3f}; {without_fake:.3f} without the fake LLM's "
+        f"{cpu['fake_llm']:.2f} ms) × cores kept busy, "
         f"{thr['cores_busy']:.2f} over {thr['database_only_cores_busy']:.2f} "
         f"({thr['cores_busy_ratio_of_database_only']:.3f})"
     )
