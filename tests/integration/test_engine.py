@@ -314,19 +314,11 @@ async def test_a_groups_last_apply_brings_the_recall_of_the_next_waves_group_wai
     fake.control(latency_ms=40)
     async with logged_pool(database_url, keep=lambda r: (r.query, r.args)) as (pool, statements):
         order = ["s", "s", "s", "a", "s", "b", "c", "d"]
-        memories = [
-            {"text": f"Note {i} about topic {tag}", "tags": [tag]} for i, tag in enumerate(order)
-        ]
-        ids = await ingest(pool, "b", memories)
-        statements.clear()
-        client = http_llm(fake.url)
-        try:
-            end = await consolidate(
-                pool, "b", client, Settings(wave_size=4, llm_batch_size=1, group_parallelism=8)
-            )
-        finally:
-            await client.aclose()
+        end = await consolidate_notes(
+            pool, fake, order, Settings(wave_size=4, llm_batch_size=1, group_parallelism=8)
+        )
         assert await markers(pool, "b") == {"consolidated": 8, "failed": 0, "pending": 0}
+        note_2 = await pool.fetchval("SELECT id FROM memories WHERE text = 'Note 2 about topic s'")
     assert end.status == "completed" and end.summary.waves == 2
     note_4 = "Note 4 about topic s"
     recalls = [args for query, args in statements if query == store.recall_statement(1, False)]
@@ -335,7 +327,7 @@ async def test_a_groups_last_apply_brings_the_recall_of_the_next_waves_group_wai
     (carrier,) = [
         args for query, args in statements if query == store.APPLY_PASS and note_4 in args
     ]
-    assert [o["memory_id"] for o in carrier[0]["outcomes"]] == [ids[2]]
+    assert [o["memory_id"] for o in carrier[0]["outcomes"]] == [note_2]
     (call,) = [c for c in fake.stats()["calls"] if list(c["fact_texts"]) == [note_4]]
     assert any("Note 2 about topic s" in text for text in call["observation_texts"])
 
