@@ -133,8 +133,11 @@ def _fit(text: str) -> str:
     if len(text) <= MAX_OBSERVATION_CHARS:
         return text
     cut = _spaced_cut(text)
-    if cut is not None:
-        return text[cut:]
+    return text[cut:] if cut is not None else _fit_by_sentences(text)
+
+
+def _fit_by_sentences(text: str) -> str:
+    """``_fit`` of a stripped text over the limit, cut into sentences."""
     sentences = _SENTENCE_END.split(text)
     # len(" ".join(sentences[start:])), kept up to date instead of joining again per sentence.
     length = sum(map(len, sentences)) + len(sentences) - 1
@@ -173,14 +176,13 @@ def _append(text: str, addition: str, fact: tuple[frozenset[str], str] | None = 
     # The words of the whole are those of its parts (the space between them ends a word in
     # either), so the next request that shows the text written, and the next fact of this
     # one, need not tokenize its 2-4 KB again.
-    words = _tokens(text) | new_words
     if len(whole) <= MAX_OBSERVATION_CHARS:
-        _tokens.seed(whole, words)
+        _tokens.seed(whole, _tokens(text) | new_words)
         _normalized.seed(whole, f"{old} {new}" if old and new else old or new)
         return whole
     cut = _spaced_cut(whole)
     if cut is None:
-        return _fit(whole)
+        return _fit_by_sentences(whole)
     kept = whole[cut:]
     # Cut after a space, so no word spans the cut, and single-spaced, so its normalized text
     # is its lower case; in ASCII text lower case keeps every position. Then only the words of
@@ -190,7 +192,8 @@ def _append(text: str, addition: str, fact: tuple[frozenset[str], str] | None = 
     if whole.isascii() and cut <= len(kept) // 4:
         lowered = kept.lower()
         dropped = _derive_tokens(whole[:cut])
-        _tokens.seed(kept, words - {word for word in dropped if not _contains(lowered, word)})
+        gone = {word for word in dropped if not _contains(lowered, word)}
+        _tokens.seed(kept, (_tokens(text) | new_words) - gone)
         _normalized.seed(kept, lowered)
     return kept
 
