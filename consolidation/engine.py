@@ -842,8 +842,10 @@ class OperationRun:
                     started_early = self._start_early(
                         upcoming, upcoming_recall.after(write, recalled)
                     )
+                    await _let_requests_leave()
                 elif upcoming is None and claim is not None:
                     self._slots.release(claim)  # the group's last answer is in
+                    await _let_requests_leave()  # the first call of the group granted it
                 if self.embedder is not None:
                     write, following_recall = await self._with_vectors(
                         write, following_recall, perf
@@ -967,6 +969,17 @@ class OperationRun:
         plan = parse_answer(answer.content, request)
         perf.llm_repaired += int(chat.repair)
         return plan
+
+
+async def _let_requests_leave() -> None:
+    """Let an LLM call just started (a task, or a group just granted a slot) send its request
+    before this task sends its apply: the call's task reaches its request in its first step,
+    and aiohttp (on Python 3.11) writes it in a task of its own, started there, that runs on
+    the loop's next turn. Sent first, the apply would delay the request by its own sending and
+    by the Postgres backend it wakes, which shares the cores: measured on every pass of a
+    chain (docs/benchmarks.md, #16 session 12)."""
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
 
 
 def _only_pass(plan: GroupPlan[_MemoryState]) -> Pass[_MemoryState] | None:

@@ -7,6 +7,7 @@ import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import aiohttp
 import asyncpg
 import pytest
 
@@ -447,6 +448,50 @@ async def test_a_group_gives_its_slot_back_before_its_last_apply(
     assert end.status == "completed", end.error
     assert {c["scope"][0] for c in calls} == {"alice", "bob"}
     assert fake.stats()["max_in_flight"] == 1  # one slot: never two calls at once
+
+
+async def test_the_next_llm_request_leaves_before_the_apply_of_the_pass_before_it(
+    pool: asyncpg.Pool, fake: FakeLLMServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One slot, one memory per batch: "a" makes three passes, then "b" two. Once a pass has
+    # its answer the next call starts (the next pass's, or the next group's first once the
+    # last pass gives the slot back); its request must be on the wire before the pass's apply
+    # is sent, which would otherwise go first and delay it. So every apply but the last finds
+    # one request more sent than the applies before it have answered.
+    events: list[str] = []
+    write_bytes = aiohttp.ClientRequest.write_bytes
+    apply_pass = store.apply_pass
+
+    async def sent(self: aiohttp.ClientRequest, *args: Any, **kwargs: Any) -> None:
+        events.append("request")
+        await write_bytes(self, *args, **kwargs)
+
+    async def applied(*args: Any, **kwargs: Any) -> Any:
+        events.append("apply")
+        return await apply_pass(*args, **kwargs)
+
+    monkeypatch.setattr(aiohttp.ClientRequest, "write_bytes", sent)
+    monkeypatch.setattr(store, "apply_pass", applied)
+    fake.control(latency_ms=20)  # "b" is ready on deck long before "a" is done
+    end = await consolidate_notes(
+        pool,
+        fake,
+        ["a", "a", "a", "b", "b"],
+        Settings(llm_batch_size=1, group_parallelism=1),
+        response_format="json_schema",
+    )
+    assert end.status == "completed", end.error
+    assert [c["scope"][0] for c in sorted(fake.stats()["calls"], key=lambda c: c["started"])] == [
+        "a",
+        "a",
+        "a",
+        "b",
+        "b",
+    ]
+    applies = [i for i, event in enumerate(events) if event == "apply"]
+    assert len(applies) == 5
+    sent_before = [events[:i].count("request") for i in applies]
+    assert sent_before == [2, 3, 4, 5, 5], events
 
 
 async def test_a_shutdown_lets_a_pass_whose_call_is_under_way_finish_and_starts_nothing_new(
