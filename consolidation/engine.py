@@ -785,7 +785,8 @@ class OperationRun:
         The passes of a group overlap without reordering anything: once this pass's answer is
         known, ``upcoming``'s LLM call starts on the recall it will have after this pass's
         writes (the recall held for it, :meth:`RecallAhead.after`), while the writes are
-        applied — fetching ``following``'s recall on the way. ``upcoming`` uses that call if it
+        applied — fetching ``following``'s recall on the way; the apply is sent once that call's
+        request has left (:func:`_let_requests_leave`). ``upcoming`` uses that call if it
         is still the pass it was started for; it is dropped if this pass's apply fails. Applies
         stay one at a time and in order: this method returns once its own is done. The last
         pass of a group gives the group's slot (``claim``) back before its apply, so that
