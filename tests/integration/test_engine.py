@@ -472,7 +472,7 @@ async def test_the_next_llm_request_leaves_before_the_apply_of_the_pass_before_i
 
     monkeypatch.setattr(aiohttp.ClientRequest, "write_bytes", sent)
     monkeypatch.setattr(store, "apply_pass", applied)
-    fake.control(latency_ms=20)  # "b" is ready on deck long before "a" is done
+    fake.control(latency_ms=50)  # "b" is ready on deck long before "a" is done
     end = await consolidate_notes(
         pool,
         fake,
