@@ -473,21 +473,17 @@ async def test_the_next_llm_request_leaves_before_the_apply_of_the_pass_before_i
     monkeypatch.setattr(aiohttp.ClientRequest, "write_bytes", sent)
     monkeypatch.setattr(store, "apply_pass", applied)
     fake.control(latency_ms=50)  # "b" is ready on deck long before "a" is done
+    order = ["a", "a", "a", "b", "b"]
     end = await consolidate_notes(
         pool,
         fake,
-        ["a", "a", "a", "b", "b"],
+        order,
         Settings(llm_batch_size=1, group_parallelism=1),
         response_format="json_schema",
     )
     assert end.status == "completed", end.error
-    assert [c["scope"][0] for c in sorted(fake.stats()["calls"], key=lambda c: c["started"])] == [
-        "a",
-        "a",
-        "a",
-        "b",
-        "b",
-    ]
+    calls = sorted(fake.stats()["calls"], key=lambda c: c["started"])
+    assert [c["scope"][0] for c in calls] == order
     applies = [i for i, event in enumerate(events) if event == "apply"]
     assert len(applies) == 5
     sent_before = [events[:i].count("request") for i in applies]
