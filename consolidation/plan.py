@@ -51,13 +51,31 @@ def part_passes(batch: int, part: Sequence[T], todo: Todo[T]) -> list[Pass[T]]:
     ]
 
 
+class _Part(Generic[T]):
+    """A batch, or half of one, waiting its turn, with its passes once first asked for (the
+    engine peeks at the next passes several times a pass). A todo only shrinks, so the passes
+    planned then, less what :meth:`GroupPlan._current` leaves out, are the ones planned now."""
+
+    __slots__ = ("_passes", "batch", "part")
+
+    def __init__(self, batch: int, part: Sequence[T]) -> None:
+        self.batch = batch
+        self.part = part
+        self._passes: list[Pass[T]] | None = None
+
+    def passes(self, todo: Todo[T]) -> list[Pass[T]]:
+        if self._passes is None:
+            self._passes = part_passes(self.batch, self.part, todo)
+        return self._passes
+
+
 class GroupPlan(Generic[T]):
     """The passes of one group, strictly in order (batch k+1 recalls what batch k wrote)."""
 
     def __init__(self, group: Sequence[T], batch_size: int, todo: Todo[T]) -> None:
         self.batches: list[list[T]] = batched(group, batch_size)
         self._todo = todo
-        self._queue: deque[tuple[int, list[T]]] = deque(enumerate(self.batches))
+        self._queue: deque[_Part[T]] = deque(_Part(i, b) for i, b in enumerate(self.batches))
         self._passes: deque[Pass[T]] = deque()
 
     def next(self) -> Pass[T] | None:
@@ -67,8 +85,7 @@ class GroupPlan(Generic[T]):
             if not self._passes:
                 if not self._queue:
                     return None
-                batch, part = self._queue.popleft()
-                self._passes.extend(part_passes(batch, part, self._todo))
+                self._passes.extend(self._queue.popleft().passes(self._todo))
                 continue
             planned = self._passes.popleft()
             current = self._current(planned)
@@ -89,8 +106,11 @@ class GroupPlan(Generic[T]):
             current = self._current(planned)
             if current is not None:
                 yield current
-        for batch, part in self._queue:
-            yield from part_passes(batch, part, self._todo)
+        for queued in self._queue:
+            for planned in queued.passes(self._todo):
+                current = self._current(planned)
+                if current is not None:
+                    yield current
 
     def split(self, failed: Pass[T]) -> None:
         """An unusable answer for a pass of several members: forget the rest of its part's
@@ -98,7 +118,7 @@ class GroupPlan(Generic[T]):
         self._passes.clear()
         part = list(failed.part)
         half = (len(part) + 1) // 2
-        self._queue.extendleft([(failed.batch, part[half:]), (failed.batch, part[:half])])
+        self._queue.extendleft([_Part(failed.batch, part[half:]), _Part(failed.batch, part[:half])])
 
     def _current(self, planned: Pass[T]) -> Pass[T] | None:
         members = tuple(m for m in planned.members if planned.scope in self._todo(m))
