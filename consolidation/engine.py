@@ -12,7 +12,7 @@ import functools
 import itertools
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -533,9 +533,9 @@ class OperationRun:
             consolidated = [s.memory.id for s in states if s.finished()]
             failed = {s.memory.id: s.failure for s in states if s.failure is not None}
             await store.commit_wave_markers(self.pool, self.lease, consolidated, failed)
-            for action in outcome.values():
+            for action, count in Counter(outcome.values()).items():
                 if action is not None:
-                    metrics.MEMORIES.labels(action=action).inc()
+                    metrics.MEMORIES.labels(action=action).inc(count)
             recovered = sum(action is None for action in outcome.values())
             self.summary.waves += 1
             self.summary.processed += len(consolidated) + len(failed)

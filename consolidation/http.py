@@ -296,6 +296,11 @@ class Endpoint:
             404: f"check {url} (usually ends in /v1) and {setting}_MODEL",
             405: f"check {url} (usually ends in /v1)",
         }
+        # The requests counter's child of each outcome, bound once (labels() takes a lock).
+        self._outcomes = {
+            outcome: route.meters.requests.labels(outcome=outcome)
+            for outcome in ("ok", "retry", "transient", "invalid", "config")
+        }
         self._max_concurrent = max_concurrent
         self._semaphore = asyncio.Semaphore(max_concurrent)
         self._headers = {
@@ -339,7 +344,7 @@ class Endpoint:
         failures = 0
         budget = Budget(self.retry_budget_s)
         meters = self.route.meters
-        requests = meters.requests
+        outcomes = self._outcomes
         while True:
             try:
                 result = await attempt(budget, retries)
@@ -353,9 +358,9 @@ class Endpoint:
                 # A retry with less than a tenth of the timeout left is not worth sending.
                 least = self.timeout_s / 10
                 if failures >= self.max_retries or not budget.allows(delay, least):
-                    requests.labels(outcome="transient").inc()
+                    outcomes["transient"].inc()
                     raise self._exhausted(exc, retries + 1, failures, budget) from None
-                requests.labels(outcome="retry").inc()
+                outcomes["retry"].inc()
                 if honoured and meters.retry_after is not None:
                     meters.retry_after.inc()
                 failures += 1
@@ -372,16 +377,16 @@ class Endpoint:
                 )
                 await asyncio.sleep(delay)
             except Resend:
-                requests.labels(outcome="retry").inc()
+                outcomes["retry"].inc()
                 retries += 1
             except InvalidLLMOutput:
-                requests.labels(outcome="invalid").inc()
+                outcomes["invalid"].inc()
                 raise
             except LLMConfigError:
-                requests.labels(outcome="config").inc()
+                outcomes["config"].inc()
                 raise
             else:
-                requests.labels(outcome="ok").inc()
+                outcomes["ok"].inc()
                 return result
 
     def _exhausted(

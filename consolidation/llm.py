@@ -368,9 +368,14 @@ class HTTPConsolidator:
         )
 
 
+# Bound once: labels() validates and looks its child up under a lock on every call.
+_PROMPT_TOKENS = LLM_TOKENS.labels(kind="prompt")
+_COMPLETION_TOKENS = LLM_TOKENS.labels(kind="completion")
+
+
 def _count_tokens(prompt: int, completion: int) -> None:
-    LLM_TOKENS.labels(kind="prompt").inc(prompt)
-    LLM_TOKENS.labels(kind="completion").inc(completion)
+    _PROMPT_TOKENS.inc(prompt)
+    _COMPLETION_TOKENS.inc(completion)
 
 
 def estimate_tokens(text: str) -> int:
