@@ -42,8 +42,8 @@ class PerfLog:
         """Add ``other`` field by field into this log; returns self."""
         if not isinstance(other, PerfLog):
             return NotImplemented
-        for field in fields(self):
-            setattr(self, field.name, getattr(self, field.name) + getattr(other, field.name))
+        for name in _FIELD_NAMES:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
         return self
 
     def __add__(self, other: PerfLog) -> PerfLog:
@@ -86,3 +86,7 @@ class PerfLog:
             else:
                 values[field.name] = int(value)
         return cls(**values)  # type: ignore[arg-type]
+
+
+# ``+=`` runs once a pass; ``fields()`` builds its tuple anew on every call.
+_FIELD_NAMES = tuple(field.name for field in fields(PerfLog))
