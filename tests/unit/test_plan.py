@@ -84,6 +84,18 @@ def test_a_member_that_failed_is_left_out_and_a_pass_left_empty_is_skipped() -> 
     assert plan.next() is None
 
 
+def test_a_waiting_batch_peeked_at_before_its_todo_shrank_is_made_as_it_stands_now() -> None:
+    a = Member("a", (("s",),))
+    b = Member("b", (("s",), ("t",)))
+    c = Member("c", (("s",), ("t",)))
+    plan = GroupPlan([a, b, c], batch_size=1, todo=todo)
+    # Looking two passes ahead plans batch 1 while batch 0 is being made.
+    assert described(plan.peek(2)) == (1, ("s",), ["b"])
+    b.applied.add(("s",))  # its todo shrinks while its batch waits
+    c.failed = True
+    assert run_all(plan) == [(0, ("s",), ["a"]), (1, ("t",), ["b"])]
+
+
 def test_planned_passes_count_one_call_per_scope_of_each_batch() -> None:
     group = [Member(f"m{i}", (("x",), ("y",)) if i % 2 else (("x",),)) for i in range(5)]
     passes = list(planned_passes(group, 2, todo))
