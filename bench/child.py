@@ -49,9 +49,12 @@ class RunSpec:
     count_statements: bool = True
     lag_interval_s: float = 0.02
     # "pyinstrument": <profile_out>.txt, -flat.txt, -all.txt; "py-spy" (started by the runner
-    # around this process): <profile_out>.collapsed
+    # around this process): <profile_out>.collapsed; "perf" (likewise, sampling only while
+    # perf_control, "control-fifo,ack-fifo", is switched on around the operation):
+    # <profile_out>.perf.data
     profile: str | None = None
     profile_out: str | None = None
+    perf_control: str | None = None
     log_level: str = "INFO"
     loop: str = "auto"  # CONSOLIDATION_EVENT_LOOP: auto (as the service), uvloop or asyncio
     # Time every event-loop callback and report the slowest (diagnoses lag; costs ~1 µs each).
@@ -170,6 +173,22 @@ def _backend_pids(
         yield
     finally:
         db._init_connection = init_connection
+
+
+async def _perf(control: str | None, command: str) -> None:
+    """Switch the ``perf record`` around this process on or off (``perf --control``), so its
+    samples are the operation's and not the interpreter's start-up; returns once perf acks."""
+    if control is None:
+        return
+    fifo, ack = control.split(",")
+
+    def send() -> None:
+        with open(fifo, "w") as ctl, open(ack, "rb") as reply:
+            ctl.write(command + "\n")
+            ctl.flush()
+            reply.read(4)
+
+    await asyncio.to_thread(send)
 
 
 def _where(handle: asyncio.events.Handle) -> str:
@@ -349,11 +368,13 @@ async def run(spec: RunSpec) -> dict[str, Any]:
         timer = _CallbackTimer() if spec.trace_callbacks else None
         with timer or contextlib.nullcontext():
             async with monitor:
+                await _perf(spec.perf_control, "enable")
                 cpu_before = _cpu_s()
                 started = time.perf_counter()
                 end = await run_operation(pool, lease, llm, settings, embedder=embedder)
                 wall = time.perf_counter() - started
                 engine_cpu = _cpu_s() - cpu_before
+                await _perf(spec.perf_control, "disable")
         counting = False
         if profiler is not None:
             profiler.stop()

@@ -1,12 +1,19 @@
-"""Summaries of a py-spy ``--format raw`` profile (collapsed stacks: ``frame;frame;… count``).
+"""Summaries of the engine's profiles: py-spy's ``--format raw`` (collapsed stacks:
+``frame;frame;… count``) and ``perf record``'s on-CPU samples.
 
-py-spy samples the engine's thread only while it is on a CPU, so the shares are shares of the
-engine's CPU time (waiting on Postgres or the LLM is excluded).
+py-spy leaves out a thread that sleeps (waiting on Postgres or the LLM), but not one that is
+runnable and waiting for a CPU: on two vCPUs a socket write that wakes a Postgres backend often
+hands it the engine's CPU, and py-spy charges that wait to the write. In one zero-latency run
+(session 13) py-spy put 31 % of the engine's samples in asyncpg's ``_do_execute`` and 7 % in
+aiohttp's ``_writelines``; perf, which samples only what is on a CPU, put every socket write
+of the engine at 5.6 %. Read py-spy's shares for where the Python code spends, perf's for
+what the CPU does (:func:`perf_split`).
 """
 
 from __future__ import annotations
 
 import re
+import subprocess
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -112,4 +119,58 @@ def render(summary: dict[str, Any]) -> str:
     lines += [f"  {share:6.1%}  {name}" for name, share in summary["self_top"]]
     lines += ["", "consolidation functions, inclusive:"]
     lines += [f"  {share:6.1%}  {name}" for name, share in summary["consolidation_inclusive"]]
+    return "\n".join(lines)
+
+
+# Kernel functions whose inclusive share says what the engine's system calls were for.
+_KERNEL_PATHS = {
+    "tcp_sendmsg": "socket writes (Postgres and the LLM, loopback TCP)",
+    "tcp_recvmsg": "socket reads",
+    "do_epoll_wait": "epoll_wait",
+}
+
+
+def perf_split(data: Path) -> dict[str, Any]:
+    """The on-CPU samples of a ``perf record`` by shared object (the interpreter, the kernel,
+    each extension) and the kernel paths of :data:`_KERNEL_PATHS`, as shares of all samples."""
+    by_object = _perf_report(data, "--no-children", "--sort", "dso")
+    symbols = _perf_report(data, "--children", "--sort", "sym")
+    kernel = {
+        label: share
+        for name, label in _KERNEL_PATHS.items()
+        for symbol, share in symbols.items()
+        if symbol == f"[k] {name}"
+    }
+    return {"by_object": by_object, "kernel_paths": kernel}
+
+
+def _perf_report(data: Path, *sort: str) -> dict[str, float]:
+    text = subprocess.run(
+        ["perf", "report", "--input", str(data), "--stdio", "--quiet", "-g", "none", *sort],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return parse_perf_report(text)
+
+
+def parse_perf_report(text: str) -> dict[str, float]:
+    """``perf report --stdio --quiet`` rows as {name: share}: the first percentage of a row
+    (with ``--children``, the inclusive one) and what follows the percentages."""
+    shares: dict[str, float] = {}
+    for line in text.splitlines():
+        cells = line.split()
+        percents = [c for c in cells if c.endswith("%")]
+        if not percents:
+            continue
+        name = " ".join(cells[len(percents) :])
+        shares.setdefault(name, round(float(percents[0].rstrip("%")) / 100, 4))
+    return shares
+
+
+def render_perf(split: dict[str, Any], top: int = 12) -> str:
+    lines = ["perf, the engine's on-CPU samples by object:"]
+    lines += [f"  {share:6.1%}  {name}" for name, share in list(split["by_object"].items())[:top]]
+    lines += ["", "of which in the kernel, inclusive:"]
+    lines += [f"  {share:6.1%}  {name}" for name, share in split["kernel_paths"].items()]
     return "\n".join(lines)

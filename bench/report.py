@@ -431,7 +431,22 @@ def render_markdown(results: dict[str, Any]) -> str:
     if results.get("profile"):
         summ = results["profile"]["py_spy"]["summary"]
         libs = ", ".join(f"{k} {v:.0%}" for k, v in list(summ["by_library"].items())[:6])
-        lines += ["", f"Engine CPU by library (py-spy, zero-latency run): {libs}."]
+        lines += [
+            "",
+            f"Engine samples by library (py-spy, zero-latency run; a write that hands the CPU "
+            f"to a Postgres backend is charged the wait): {libs}.",
+        ]
+        on_cpu = results["profile"].get("perf")
+        if on_cpu:
+            objects = ", ".join(
+                f"{k} {v:.0%}" for k, v in list(on_cpu["split"]["by_object"].items())[:4]
+            )
+            paths = ", ".join(f"{k} {v:.1%}" for k, v in on_cpu["split"]["kernel_paths"].items())
+            lines += [
+                "",
+                f"Engine on-CPU samples by object (perf, the same run repeated): {objects}; "
+                f"in the kernel: {paths}.",
+            ]
     if results.get("schedule_study"):
         lines += [
             "",

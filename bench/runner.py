@@ -30,8 +30,38 @@ async def run_child(spec: RunSpec, log_path: Path, timeout_s: float = 1800) -> d
         result_path = log_path.with_suffix(".result.json")
         result_path.unlink(missing_ok=True)
         command = [sys.executable, "-m", "bench.child", str(result_path)]
+        if spec.profile == "perf" and spec.profile_out:
+            # The kernel's own on-CPU samples (cpu-clock), off until the child switches them on
+            # around the operation (RunSpec.perf_control).
+            fifos = (cwd / "perf-control", cwd / "perf-ack")
+            for fifo in fifos:
+                fifo.unlink(missing_ok=True)
+                os.mkfifo(fifo)
+            data = spec.profile_out + ".perf.data"
+            spec = dataclasses.replace(spec, perf_control=",".join(map(str, fifos)))
+            command = [
+                "perf",
+                "record",
+                "--event",
+                "cpu-clock",
+                "--freq",
+                "999",
+                "--call-graph",
+                "fp",
+                "--delay",
+                "-1",
+                "--control",
+                f"fifo:{fifos[0]},{fifos[1]}",
+                "--output",
+                data,
+                "--quiet",
+                "--",
+                *command,
+            ]
         if spec.profile == "py-spy" and spec.profile_out:
-            # py-spy samples only while the engine's thread is on a CPU (idle time excluded).
+            # py-spy samples a thread whose state is running, which includes runnable and waiting
+            # for a CPU: on two vCPUs, a write that wakes a Postgres backend often hands it the
+            # engine's CPU, and the wait is charged to the write (the "perf" profile is not).
             command = [
                 str(Path(sys.executable).with_name("py-spy")),
                 "record",

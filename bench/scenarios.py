@@ -14,8 +14,10 @@ one scenario are interleaved (P8, P1, P8, P1, …) so slow drift of the machine'
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
+import shutil
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -533,14 +535,17 @@ async def rss(
 async def profile(
     bench: Bench, sizes: Sizes, loop: str = "asyncio", bank: BankOptions = DEFAULT_BANK
 ) -> dict[str, Any]:
-    """The zero-latency run under py-spy (on-CPU samples) and under pyinstrument."""
-    from bench.profiles import render, summarize
+    """The zero-latency run under py-spy (samples of the engine's Python stacks), under
+    pyinstrument, and under ``perf record`` (what is on the CPU) where perf is installed."""
+    from bench.profiles import perf_split, render, render_perf, summarize
 
     shape = bank.shape(sizes.throughput_memories)
     scenario = Scenario(
         "throughput-0ms", shape, latency_ms=0, loop=loop, settings={"wave_size": bank.wave_size}
     )
-    bench.log(f"profile: {shape.memories} memories, zero-latency LLM, py-spy then pyinstrument")
+    bench.log(
+        f"profile: {shape.memories} memories, zero-latency LLM, py-spy, pyinstrument, then perf"
+    )
     out: dict[str, Any] = {}
     with bench.fake(scenario) as fake:
         spy = await bench.run(scenario, fake, repeat=1, profile="py-spy")
@@ -556,7 +561,23 @@ async def profile(
             "text": str(bench.results_dir / "profile-throughput-0ms-pyinstrument.txt"),
             "flat": str(bench.results_dir / "profile-throughput-0ms-pyinstrument-flat.txt"),
         }
+        if shutil.which("perf") is None:
+            bench.log("  perf is not installed: no on-CPU split")
+        else:
+            try:
+                on_cpu = await bench.run(scenario, fake, repeat=3, profile="perf")
+            except RuntimeError as exc:  # e.g. kernel.perf_event_paranoid forbids it
+                bench.log(f"  perf could not profile the run: {exc}")
+            else:
+                data = bench.results_dir / "profile-throughput-0ms-perf.perf.data"
+                split = await asyncio.to_thread(perf_split, data)
+                (bench.results_dir / "profile-throughput-0ms-perf-summary.txt").write_text(
+                    render_perf(split) + "\n"
+                )
+                out["perf"] = {"run": on_cpu, "split": split, "data": str(data)}
     bench.log(render(summary))
+    if "perf" in out:
+        bench.log(render_perf(out["perf"]["split"]))
     return out
 
 
