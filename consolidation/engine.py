@@ -609,7 +609,7 @@ class OperationRun:
         try:
             await self._slots.on_deck(claim)
             # Put on deck by a grant, most often: let the group granted the slot send its LLM
-            # request first (on Python 3.11 aiohttp writes it in a task queued behind us).
+            # request first (aiohttp on Python 3.11 writes it in a task queued behind us).
             await asyncio.sleep(0)
             if facts is not None:
                 # Shielded: the request serves the wave's other groups, whatever becomes of us.
@@ -975,10 +975,11 @@ class OperationRun:
 async def _let_requests_leave() -> None:
     """Let an LLM call just started (a task, or a group just granted a slot) send its request
     before this task sends its apply: the call's task reaches its request in its first step,
-    and aiohttp (on Python 3.11) writes it in a task of its own, started there, that runs on
-    the loop's next turn. Sent first, the apply would delay the request by its own sending and
-    by the Postgres backend it wakes, which shares the cores: measured on every pass of a
-    chain (docs/benchmarks.md, #16 session 12)."""
+    where the plain-http client writes it; aiohttp (https or a proxy, on Python 3.11) writes it
+    in a task of its own, started there, that runs on the loop's next turn. Sent first, the
+    apply would delay the request by its own sending and by the Postgres backend it wakes,
+    which shares the cores: measured on every pass of a chain (docs/benchmarks.md, #16
+    session 12)."""
     await asyncio.sleep(0)
     await asyncio.sleep(0)
 

@@ -27,6 +27,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from consolidation import __version__
 from consolidation.errors import InvalidLLMOutput, LLMConfigError, TransientLLMError
+from consolidation.plainhttp import PlainHTTP
 from consolidation.settings import Settings
 
 __all__ = [
@@ -248,9 +249,11 @@ class Endpoint:
     A 401, 403, 404, 405 or a redirect raises ``route.config_error`` with a message naming the
     setting to fix; transport trouble that outlasts the retries raises ``route.exhausted``.
 
-    The transport is aiohttp (keep-alive pool of ``max_concurrent`` connections, no redirects
-    followed, ``HTTP(S)_PROXY`` / ``NO_PROXY`` read once): a tenth of httpx's CPU per request
-    under concurrency (docs/benchmarks.md, "What the profiles led to").
+    The transport of a plain ``http://`` URL reached without a proxy is
+    :class:`consolidation.plainhttp.PlainHTTP` (a self-hosted model: 40 µs of CPU a request
+    against aiohttp's 100); any other is aiohttp (keep-alive pool of ``max_concurrent``
+    connections, no redirects followed, ``HTTP(S)_PROXY`` / ``NO_PROXY`` read once): a tenth of
+    httpx's CPU per request under concurrency (docs/benchmarks.md, "What the profiles led to").
     """
 
     def __init__(
@@ -312,11 +315,19 @@ class Endpoint:
             self._headers["authorization"] = f"Bearer {api_key}"
         # Created on first use: an aiohttp session belongs to the event loop it is created on.
         self._session: aiohttp.ClientSession | None = None
+        # Plain http:// without a proxy: the leaner client (consolidation/plainhttp.py).
+        self._plain = (
+            PlainHTTP(self.url, self._headers)
+            if parts.scheme == "http" and self._proxy is None
+            else None
+        )
         self._closed = False
 
     async def aclose(self) -> None:
         """Close the connection pool; the endpoint is unusable afterwards."""
         self._closed = True
+        if self._plain is not None:
+            self._plain.close()
         session, self._session = self._session, None
         if session is not None:
             await session.close()
@@ -423,6 +434,12 @@ class Endpoint:
                 in_flight.inc()
             started = time.perf_counter()
             try:
+                if self._plain is not None:
+                    if self._closed:
+                        raise RuntimeError(f"the {self.route.label} client is closed")
+                    async with asyncio.timeout(timeout_s):
+                        answer = await self._plain.post(body)
+                    return Reply(answer.status, answer.reason, answer.headers, answer.body)
                 async with self._client().post(
                     self.url,
                     data=body,
@@ -441,7 +458,7 @@ class Endpoint:
                 raise Retryable(
                     f"no answer within {timeout_s:.3g}s{rest} ({type(exc).__name__})"
                 ) from None
-            except aiohttp.ClientError as exc:
+            except (aiohttp.ClientError, OSError) as exc:
                 detail = str(exc) or "connection failed"
                 raise Retryable(f"{type(exc).__name__}: {detail}") from None
             finally:

@@ -7,11 +7,10 @@ import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import aiohttp
 import asyncpg
 import pytest
 
-from consolidation import db, queue, store
+from consolidation import db, plainhttp, queue, store
 from consolidation.engine import StopReason, StopSignal
 from consolidation.fake_llm import FakeLLMServer
 from consolidation.llm import OfflineConsolidator
@@ -459,18 +458,18 @@ async def test_the_next_llm_request_leaves_before_the_apply_of_the_pass_before_i
     # is sent, which would otherwise go first and delay it. So every apply but the last finds
     # one request more sent than the applies before it have answered.
     events: list[str] = []
-    write_bytes = aiohttp.ClientRequest.write_bytes
+    send = plainhttp._Connection.send  # the fake is plain http: the client writes here
     apply_pass = store.apply_pass
 
-    async def sent(self: aiohttp.ClientRequest, *args: Any, **kwargs: Any) -> None:
+    def sent(self: plainhttp._Connection, *args: Any) -> None:
         events.append("request")
-        await write_bytes(self, *args, **kwargs)
+        send(self, *args)
 
     async def applied(*args: Any, **kwargs: Any) -> Any:
         events.append("apply")
         return await apply_pass(*args, **kwargs)
 
-    monkeypatch.setattr(aiohttp.ClientRequest, "write_bytes", sent)
+    monkeypatch.setattr(plainhttp._Connection, "send", sent)
     monkeypatch.setattr(store, "apply_pass", applied)
     fake.control(latency_ms=50)  # "b" is ready on deck long before "a" is done
     order = ["a", "a", "a", "b", "b"]
