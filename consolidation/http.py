@@ -1,6 +1,7 @@
 """The HTTP transport of the OpenAI-compatible clients (llm.py, embeddings.py).
 
-An :class:`Endpoint` is one route, ``POST {base_url}/{path}``: a pooled aiohttp session, a cap
+An :class:`Endpoint` is one route, ``POST {base_url}/{path}``: pooled connections (the
+plain-http client of ``plainhttp.py`` for ``http://`` without a proxy, else aiohttp), a cap
 on requests in flight, one POST read in full and classified by its status, and the retry loop —
 exponential backoff with full jitter, ``Retry-After`` honoured, at most ``max_retries`` retries
 and ``retry_budget_s`` seconds per call (DESIGN §2). Each client keeps what is its own: the
