@@ -313,6 +313,11 @@ class Endpoint:
             "user-agent": f"consolidation/{__version__}",
         }
         if api_key:
+            if any(ch in api_key for ch in "\r\n\0"):
+                # It would end the header line and start another (either client sends it as is).
+                raise route.config_error(
+                    f"{key} contains a line break or a NUL: set it to the key alone"
+                )
             self._headers["authorization"] = f"Bearer {api_key}"
         # Created on first use: an aiohttp session belongs to the event loop it is created on.
         self._session: aiohttp.ClientSession | None = None

@@ -181,6 +181,12 @@ async def test_api_key_is_sent_as_bearer_token(make_client: Any) -> None:
         assert answer.finish_reason == "stop"
 
 
+def test_an_api_key_with_a_line_break_is_a_config_error_before_any_request() -> None:
+    # Sent as is, it would end the authorization header and add one of its own.
+    with pytest.raises(LLMConfigError, match="CONSOLIDATION_LLM_API_KEY contains a line break"):
+        HTTPConsolidator(base_url="http://127.0.0.1:9/v1", model="m", api_key="k\r\nx-injected: 1")
+
+
 @pytest.mark.parametrize("status", [403, 404])
 async def test_403_and_404_are_config_errors(
     fake: FakeLLMServer, make_client: Any, status: int
