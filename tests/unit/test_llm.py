@@ -105,8 +105,24 @@ async def make_client() -> AsyncIterator[Callable[..., HTTPConsolidator]]:
         yield make
 
 
-async def test_complete_returns_content_and_usage(fake: FakeLLMServer, make_client: Any) -> None:
-    client = make_client(fake.url + "/")
+@pytest.fixture(params=["plainhttp", "aiohttp"])
+def base_url(
+    request: pytest.FixtureRequest, fake: FakeLLMServer, monkeypatch: pytest.MonkeyPatch
+) -> str:
+    """The fake's base URL as each transport of the endpoint reaches it: directly (plain http:
+    the plainhttp client) or through a proxy (aiohttp; the fake takes a proxy's absolute-form
+    requests, and llm.invalid never resolves, so only the proxy can answer)."""
+    _clear_proxy_env(monkeypatch)
+    if request.param == "plainhttp":
+        return fake.url
+    monkeypatch.setenv("HTTP_PROXY", fake.url.removesuffix("/v1"))
+    return "http://llm.invalid/v1"
+
+
+async def test_complete_returns_content_and_usage(
+    fake: FakeLLMServer, base_url: str, make_client: Any
+) -> None:
+    client = make_client(base_url + "/")
     answer = await client.complete(chat("Alice lives in Paris."))
     body = orjson.loads(answer.content)
     assert body["creates"][0]["facts"] == ["f1"]
@@ -120,11 +136,13 @@ async def test_complete_returns_content_and_usage(fake: FakeLLMServer, make_clie
     assert call["response_format"] == "json_schema"
 
 
-async def test_two_503s_then_success_counts_retries(fake: FakeLLMServer, make_client: Any) -> None:
+async def test_two_503s_then_success_counts_retries(
+    fake: FakeLLMServer, base_url: str, make_client: Any
+) -> None:
     fake.control(script=[{"status": 503}, {"status": 503}])
     retries_before = metric("consolidation_llm_requests_total", outcome="retry")
     ok_before = metric("consolidation_llm_requests_total", outcome="ok")
-    answer = await make_client(fake.url).complete(chat("a fact"))
+    answer = await make_client(base_url).complete(chat("a fact"))
     assert answer.retries == 2
     stats = fake.stats()
     assert stats["requests"] == 3
@@ -151,11 +169,13 @@ async def test_408_and_429_are_retried(fake: FakeLLMServer, make_client: Any) ->
     assert answer.retries == 2
 
 
-async def test_retry_after_is_honoured(fake: FakeLLMServer, make_client: Any) -> None:
+async def test_retry_after_is_honoured(
+    fake: FakeLLMServer, base_url: str, make_client: Any
+) -> None:
     fake.control(script=[{"status": 503, "retry_after": 0.3}])
     honoured_before = metric("consolidation_llm_retry_after_honoured_total")
     # Backoff alone would wait at most 1 ms; only Retry-After explains the gap.
-    client = make_client(fake.url, backoff_max_s=0.1)
+    client = make_client(base_url, backoff_max_s=0.1)
     answer = await client.complete(chat("a fact"))
     assert answer.retries == 1
     failed, retried = fake.stats()["calls"]
@@ -288,10 +308,10 @@ async def test_poison_markers_reach_the_caller_as_unusable_answers(
 
 
 async def test_timeout_is_transient_and_aborts_the_request(
-    fake: FakeLLMServer, make_client: Any
+    fake: FakeLLMServer, base_url: str, make_client: Any
 ) -> None:
     fake.control(script=[{"hang": True}])
-    client = make_client(fake.url, timeout_s=0.2, max_retries=0)
+    client = make_client(base_url, timeout_s=0.2, max_retries=0)
     with pytest.raises(TransientLLMError, match="no answer within"):
         await client.complete(chat("a fact"))
     await wait_for(lambda: fake.stats()["aborted"] == 1)
@@ -308,10 +328,10 @@ async def test_connection_refused_is_transient(make_client: Any) -> None:
 
 
 async def test_cancelling_the_caller_aborts_the_http_request(
-    fake: FakeLLMServer, make_client: Any
+    fake: FakeLLMServer, base_url: str, make_client: Any
 ) -> None:
     fake.control(script=[{"hang": True}])
-    task = asyncio.create_task(make_client(fake.url).complete(chat("a fact")))
+    task = asyncio.create_task(make_client(base_url).complete(chat("a fact")))
     await wait_for(lambda: fake.stats()["in_flight"] == 1)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -321,10 +341,10 @@ async def test_cancelling_the_caller_aborts_the_http_request(
 
 
 async def test_max_concurrent_caps_requests_in_flight(
-    fake: FakeLLMServer, make_client: Any
+    fake: FakeLLMServer, base_url: str, make_client: Any
 ) -> None:
     fake.control(latency_ms=50)
-    client = make_client(fake.url, max_concurrent=3)
+    client = make_client(base_url, max_concurrent=3)
     answers = await asyncio.gather(
         *(client.complete(chat(f"fact {i}", scope=(f"s{i}",))) for i in range(12))
     )
