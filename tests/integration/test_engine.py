@@ -7,6 +7,7 @@ import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import aiohttp
 import asyncpg
 import pytest
 
@@ -261,10 +262,15 @@ async def test_a_scoped_operation_only_consolidates_its_scopes(pool: asyncpg.Poo
 
 
 async def consolidate_notes(
-    pool: asyncpg.Pool, fake: FakeLLMServer, order: list[str], settings: Settings, **llm: Any
+    pool: asyncpg.Pool,
+    fake: FakeLLMServer,
+    order: list[str],
+    settings: Settings,
+    base_url: str | None = None,
+    **llm: Any,
 ) -> Any:
     """One memory per tag of ``order``, in that consolidation order, consolidated over HTTP
-    (``llm``: options of the HTTP client)."""
+    (``base_url``: the fake's unless given; ``llm``: options of the HTTP client)."""
     memories = [
         {
             "text": f"Note {i} about topic {tag}",
@@ -274,7 +280,7 @@ async def consolidate_notes(
         for i, tag in enumerate(order)
     ]
     await ingest(pool, "b", memories)
-    client = http_llm(fake.url, **llm)
+    client = http_llm(base_url or fake.url, **llm)
     try:
         return await consolidate(pool, "b", client, settings)
     finally:
@@ -449,27 +455,46 @@ async def test_a_group_gives_its_slot_back_before_its_last_apply(
     assert fake.stats()["max_in_flight"] == 1  # one slot: never two calls at once
 
 
+@pytest.mark.parametrize("transport", ["plainhttp", "aiohttp"])
 async def test_the_next_llm_request_leaves_before_the_apply_of_the_pass_before_it(
-    pool: asyncpg.Pool, fake: FakeLLMServer, monkeypatch: pytest.MonkeyPatch
+    pool: asyncpg.Pool, fake: FakeLLMServer, monkeypatch: pytest.MonkeyPatch, transport: str
 ) -> None:
     # One slot, one memory per batch: "a" makes three passes, then "b" two. Once a pass has
     # its answer the next call starts (the next pass's, or the next group's first once the
     # last pass gives the slot back); its request must be on the wire before the pass's apply
     # is sent, which would otherwise go first and delay it. So every apply but the last finds
-    # one request more sent than the applies before it have answered.
+    # one request more sent than the applies before it have answered. The plain-http client
+    # writes in the call's task; aiohttp (reached through a proxy) in a task of its own.
     events: list[str] = []
-    send = plainhttp._Connection.send  # the fake is plain http: the client writes here
     apply_pass = store.apply_pass
+    for name in ("http_proxy", "https_proxy", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+    base_url = fake.url
+    if transport == "plainhttp":
+        send = plainhttp._Connection.send
 
-    def sent(self: plainhttp._Connection, *args: Any) -> None:
-        events.append("request")
-        send(self, *args)
+        def sent(self: plainhttp._Connection, *args: Any) -> None:
+            events.append("request")
+            send(self, *args)
+
+        monkeypatch.setattr(plainhttp._Connection, "send", sent)
+    else:
+        write_bytes = aiohttp.ClientRequest.write_bytes
+
+        async def written(self: aiohttp.ClientRequest, *args: Any, **kwargs: Any) -> None:
+            events.append("request")
+            await write_bytes(self, *args, **kwargs)
+
+        monkeypatch.setattr(aiohttp.ClientRequest, "write_bytes", written)
+        # The fake takes a proxy's requests; llm.invalid never resolves.
+        monkeypatch.setenv("HTTP_PROXY", fake.url.removesuffix("/v1"))
+        base_url = "http://llm.invalid/v1"
 
     async def applied(*args: Any, **kwargs: Any) -> Any:
         events.append("apply")
         return await apply_pass(*args, **kwargs)
 
-    monkeypatch.setattr(plainhttp._Connection, "send", sent)
     monkeypatch.setattr(store, "apply_pass", applied)
     fake.control(latency_ms=50)  # "b" is ready on deck long before "a" is done
     order = ["a", "a", "a", "b", "b"]
@@ -478,6 +503,7 @@ async def test_the_next_llm_request_leaves_before_the_apply_of_the_pass_before_i
         fake,
         order,
         Settings(llm_batch_size=1, group_parallelism=1),
+        base_url,
         response_format="json_schema",
     )
     assert end.status == "completed", end.error
