@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import urllib.parse
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import cast
 
 import httptools
@@ -32,20 +33,16 @@ class BadResponse(ConnectionError):
     """The server's bytes are not an HTTP/1.1 response."""
 
 
+@dataclass(frozen=True, slots=True)
 class Answer:
     """One response read in full: status, reason phrase, headers (names in lower case; a
-    repeated header's values joined with ``", "``) and body."""
+    repeated header's values joined with ``", "``), body, and whether the connection stays open."""
 
-    __slots__ = ("body", "headers", "keep_alive", "reason", "status")
-
-    def __init__(
-        self, status: int, reason: str, headers: dict[str, str], body: bytes, keep_alive: bool
-    ) -> None:
-        self.status = status
-        self.reason = reason
-        self.headers = headers
-        self.body = body
-        self.keep_alive = keep_alive
+    status: int
+    reason: str
+    headers: dict[str, str]
+    body: bytes
+    keep_alive: bool
 
 
 class _Connection(asyncio.Protocol):
@@ -123,7 +120,7 @@ class _Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         self._complete(keep_alive=self._parser.should_keep_alive())
 
-    # --- -------------------------------------------------------------------------------------
+    # --- completing the waiter ----------------------------------------------------------
 
     def _until_close(self) -> bool:
         """Whether the body runs until the server closes (no length, not chunked)."""
