@@ -136,10 +136,9 @@ def perf_split(data: Path) -> dict[str, Any]:
     by_object = _perf_report(data, "--no-children", "--sort", "dso")
     symbols = _perf_report(data, "--children", "--sort", "sym")
     kernel = {
-        label: share
+        label: symbols[f"[k] {name}"]
         for name, label in _KERNEL_PATHS.items()
-        for symbol, share in symbols.items()
-        if symbol == f"[k] {name}"
+        if f"[k] {name}" in symbols
     }
     return {"by_object": by_object, "kernel_paths": kernel}
 

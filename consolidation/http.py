@@ -339,8 +339,6 @@ class Endpoint:
             await session.close()
 
     def _client(self) -> aiohttp.ClientSession:
-        if self._closed:
-            raise RuntimeError(f"the {self.route.label} client is closed")
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 headers=self._headers,
@@ -430,6 +428,8 @@ class Endpoint:
         Raises :class:`Retryable` for a timeout or a connection error. Cancelling the caller
         aborts the request.
         """
+        if self._closed:
+            raise RuntimeError(f"the {self.route.label} client is closed")
         async with self._semaphore:
             timeout_s = budget.timeout(self.timeout_s)
             if timeout_s <= 0:
@@ -441,8 +441,6 @@ class Endpoint:
             started = time.perf_counter()
             try:
                 if self._plain is not None:
-                    if self._closed:
-                        raise RuntimeError(f"the {self.route.label} client is closed")
                     async with asyncio.timeout(timeout_s):
                         answer = await self._plain.post(body)
                     return Reply(answer.status, answer.reason, answer.headers, answer.body)
