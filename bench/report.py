@@ -156,10 +156,9 @@ def render_schedule_study(rows: list[dict[str, Any]]) -> str:
         "|---|---:|---:|---:|---:|",
     ]
     names = {
-        "fifo": "first memory first, wave barriers (before b173dbf)",
-        "lpt": "longest chain first, wave barriers (before 5f26aaa)",
-        "pipelined_lazy": "pipelined waves, wave order, fetched when slots would idle "
-        "(before this change)",
+        "fifo": "first memory first, wave barriers",
+        "lpt": "longest chain first, wave barriers",
+        "pipelined_lazy": "pipelined waves, wave order, fetched when slots would idle",
         "pipelined": "pipelined waves, wave order, every wave known",
         "critical_path_4": "pipelined waves, longest critical path first, 4 waves ahead "
         "(the engine)",
