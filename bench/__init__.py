@@ -1,4 +1,4 @@
-"""Benchmark of the consolidation engine: workload generator, driver and report (issue 5).
+"""Benchmark of the consolidation engine: workload generator, driver and report.
 
 Run ``python -m bench all`` (full targets) or ``python -m bench all --quick``; see bench/README.md.
 """

@@ -211,15 +211,15 @@ def simulate_pipelined(
     wave barrier; a fetch takes no time. Among the ready groups, a freed slot goes to
 
     - ``priority="wave"``: the first queued (wave order, each wave longest chain first: FIFO
-      slots, the engine from 5f26aaa);
+      slots);
     - ``priority="critical_path"``: the longest remaining path — its calls plus the longest path
       among the known groups that wait on it, transitively —, then the older wave, then the
-      wave's order (the engine now, ``consolidation.slots``).
+      wave's order (the engine's, ``consolidation.slots``).
 
     A group is known once its wave is fetched. ``lookahead`` bounds the waves fetched from the
     oldest one not done (the engine's MAX_WAVES_IN_FLIGHT; None: no bound); ``fetch="eager"``
-    keeps that many fetched (the engine now), ``"lazy"`` fetches one more only while fewer ready
-    groups than slots wait (the engine from 5f26aaa). A pure model, for what-if questions."""
+    keeps that many fetched (the engine's), ``"lazy"`` fetches one more only while fewer ready
+    groups than slots wait. A pure model, for what-if questions."""
     import heapq
 
     if priority not in ("wave", "critical_path"):

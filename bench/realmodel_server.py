@@ -97,7 +97,7 @@ MODELS: dict[str, ModelSpec] = {
             size=253_113_024,
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             chat_format="gemma",
-            note="no chat template in the GGUF and not instruction-tuned (issue #11's model)",
+            note="no chat template in the GGUF and not instruction-tuned (a base model)",
         ),
     )
 }

@@ -37,7 +37,7 @@ _SPACED_SENTENCE_END = re.compile(r"[.!?] ")
 # Words no text is matched on: the stop words and, in ASCII text, the one-character runs.
 _IGNORED_ASCII = _STOP_WORDS | frozenset("abcdefghijklmnopqrstuvwxyz0123456789")
 # A scope's observations come back in request after request until one of them changes, and
-# tokenizing them was most of the fake LLM's CPU. Bounded: at most this many texts of at most
+# tokenizing them again each time would be most of the fake LLM's CPU. Bounded: at most this many texts of at most
 # MAX_OBSERVATION_CHARS each, with their word sets.
 _TEXT_CACHE_SIZE = 1024
 

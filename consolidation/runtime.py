@@ -34,8 +34,8 @@ GC_THRESHOLDS = (10_000, 50, 100)
 
 
 def tune_gc() -> None:
-    """Fewer cyclic garbage collections in a long-running process (docs/benchmarks.md, "#16",
-    session 6): what start-up built (modules, classes, settings: tens of thousands of objects)
+    """Fewer cyclic garbage collections in a long-running process (docs/benchmarks.md, "What
+    was tried"): what start-up built (modules, classes, settings: tens of thousands of objects)
     is frozen out of every collection, and collections come later (:data:`GC_THRESHOLDS`). What
     a pass allocates is nearly all freed by reference counting the moment it is dropped; the
     collections mostly walked the same long-lived objects again, 10 % of the engine's CPU at
@@ -61,7 +61,7 @@ def run(main: Coroutine[Any, Any, T], choice: str = "auto") -> T:
     """Run ``main`` to completion on a new event loop of the chosen kind.
 
     uvloop is the default where it is installed (every platform but Windows): the engine needs
-    less CPU on it (docs/benchmarks.md, "What the profiles led to").
+    less CPU on it (docs/benchmarks.md, "What was tried").
     """
     try:
         name = event_loop_name(choice)

@@ -100,8 +100,8 @@ class SlotAllocator:
         only its last apply. Also when groups wait on it: holding the slot through the apply
         for them idles it for an apply on every chain's step into the next wave, while the
         continuation, once ready, takes the next slot freed before groups with shorter paths
-        (measured: docs/benchmarks.md, #16). :meth:`reacquire` takes a slot again should the
-        group need the LLM after all."""
+        (measured: docs/benchmarks.md, "What was tried"). :meth:`reacquire` takes a slot again
+        should the group need the LLM after all."""
         if claim.holds:
             self._release(claim)
 

@@ -786,7 +786,7 @@ async def warm(pool: asyncpg.Pool, connections: int, *, hybrid: bool = False) ->
     first recall statement once, with nothing to recall. A new session's first recall costs
     about ten times a warm one (the server loads its catalogs and compiles the recall
     function; asyncpg prepares the statement): paid here, at once, instead of by the first
-    passes of the operation, whose LLM calls wait on it (docs/benchmarks.md, #16)."""
+    passes of the operation, whose LLM calls wait on it (docs/benchmarks.md, "What was tried")."""
     args = ["", *_recall_args(RecallRequest((), (), 0), hybrid)] * 2
     statement = recall_statement(2, hybrid)
     async with contextlib.AsyncExitStack() as held:

@@ -292,7 +292,7 @@ async def test_get_operation_reports_every_contract_key(client: httpx.AsyncClien
     assert set(op) == {
         "operation_id",
         "bank_id",
-        "kind",  # consolidate or forget (issue #13)
+        "kind",  # consolidate or forget
         "status",
         "attempt",
         "progress",

@@ -550,7 +550,7 @@ async def test_an_answer_cut_by_max_tokens_is_logged_as_such(pool: asyncpg.Pool)
     assert "CONSOLIDATION_LLM_MAX_TOKENS=64" in failed["reason"]
 
 
-# --- endpoint faults that look like answers (#10) ---------------------------------------------
+# --- endpoint faults that look like answers ---------------------------------------------------
 
 
 async def test_a_200_html_page_fails_the_attempt_marks_nothing_and_the_retry_completes(

@@ -141,8 +141,8 @@ async def test_a_heartbeat_and_a_progress_report_at_once_never_deadlock(
     pool: asyncpg.Pool,
 ) -> None:
     # A worker's heartbeat and its progress report update the operation row on two connections
-    # at once. Each used to take a share lock on the row (the fence) before the row lock, and
-    # each then waited for the other's: Postgres broke the deadlock by failing one, and the
+    # at once. Were each to take a share lock on the row (the fence) before the row lock, each
+    # would wait for the other's: Postgres would break the deadlock by failing one, and the
     # operation with it. A third holder of a share lock makes them meet every time.
     await queue.submit(pool, "b")
     lease = await queue.claim(pool, "w1", 30)
