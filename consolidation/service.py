@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import signal
 import socket
 from collections.abc import Iterator
@@ -37,7 +38,33 @@ class _ApiServer(uvicorn.Server):
         yield
 
 
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name other than localhost may resolve anywhere
+
+
+def check_api_exposure(settings: Settings) -> None:
+    """Refuse an API without a key on an address other people can reach, unless allowed.
+
+    Every memory of every bank is readable and deletable through the API; an open port on a
+    shared network must be a decision, not a default.
+    """
+    if settings.api_key is not None or settings.allow_unauthenticated:
+        return
+    if not _is_loopback(settings.http_host):
+        raise ConfigError(
+            f"refusing to serve the API on {settings.http_host} without a key: set "
+            "CONSOLIDATION_API_KEY, or CONSOLIDATION_ALLOW_UNAUTHENTICATED=true to accept that "
+            "anyone who reaches the port can read and delete every bank"
+        )
+
+
 def _api_socket(settings: Settings) -> socket.socket:
+    check_api_exposure(settings)
     try:
         return listen_socket(settings.http_host, settings.http_port)
     except OSError as exc:

@@ -117,6 +117,11 @@ class Settings(BaseSettings):
     http_host: str = "127.0.0.1"
     http_port: int = Field(default=8080, ge=0, le=65535)
     api_key: SecretStr | None = None
+    allow_unauthenticated: bool = Field(
+        default=False,
+        description="Serve the API without CONSOLIDATION_API_KEY on an address other than "
+        "loopback; without it `serve` refuses to start there.",
+    )
     auto_consolidate: bool = True
 
     log_format: Literal["json", "console"] | None = Field(
