@@ -121,3 +121,33 @@ async def test_a_tag_with_a_control_character_is_refused_as_the_api_refuses_it(
     )
     assert result.returncode != 0
     assert "control characters" in result.stderr
+
+
+async def test_a_file_repeating_an_id_is_rejected_whole_naming_both_lines(
+    database_url: str, tmp_path: Path
+) -> None:
+    repeated = str(uuid.uuid4())
+    same_line = {"text": "Bob cycles"}
+    file = write_jsonl(
+        tmp_path / "dup.jsonl",
+        [
+            {"id": repeated, "text": "first"},
+            same_line,
+            {"id": repeated, "text": "second"},
+            same_line,
+        ],
+    )
+    result = run_cli(
+        "ingest", "bank-d", str(file), env={"CONSOLIDATION_DATABASE_URL": database_url}
+    )
+    assert result.returncode == 2
+    assert "nothing was ingested" in result.stderr
+    assert f"line 3: id {repeated} is already used by line 1" in result.stderr
+    # Identical lines without an id derive the same id: the same memory twice.
+    assert "is already used by line 2" in result.stderr
+    assert "Traceback" not in result.stderr
+    conn = await asyncpg.connect(database_url)
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM memories") == 0
+    finally:
+        await conn.close()
