@@ -190,6 +190,7 @@ def embedded_database_url(data_dir: Path) -> str:
         data_dir = data_dir.resolve()
         pgdata = data_dir / "pgdata"
         effects = embedded_root_side_effects(pgdata)
+    check_embedded_data_version(pgdata)  # data it cannot open at all is the first thing to say
     if effects is not None:
         outside = _outside_data_dir(effects, data_dir, _embedded_binaries())
         if outside:
@@ -207,7 +208,6 @@ def embedded_database_url(data_dir: Path) -> str:
             os_user_created=effects.creates_user,
             directories_opened=[str(p) for p in effects.opened],
         )
-    check_embedded_data_version(pgdata)
     if pgdata.is_dir():
         dead = _forget_dead_handles(pgdata)
         if dead:
