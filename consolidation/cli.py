@@ -21,7 +21,13 @@ from consolidation import db, runtime
 from consolidation.engine import RunSummary
 from consolidation.errors import ConfigError, ConsolidationError, ValidationError
 from consolidation.logs import configure_logging
-from consolidation.memories import NewMemory, bank_id_problems, content_id, parse_memory
+from consolidation.memories import (
+    NewMemory,
+    bank_id_problems,
+    content_id,
+    parse_memory,
+    repeated_id_problems,
+)
 from consolidation.perf import PerfLog
 from consolidation.queue import Operation
 from consolidation.settings import Settings, load_settings
@@ -75,7 +81,7 @@ def read_memories_file(bank: str, path: str) -> list[NewMemory]:
         raw = sys.stdin.buffer.read() if path == "-" else Path(path).read_bytes()
     except OSError as exc:
         raise CLIError(f"cannot read {path}: {exc.strerror}") from None
-    memories: list[NewMemory] = []
+    memories: list[tuple[str, NewMemory]] = []
     problems: list[str] = []
     for number, line in enumerate(raw.splitlines(), start=1):
         if not line.strip():
@@ -86,12 +92,14 @@ def read_memories_file(bank: str, path: str) -> list[NewMemory]:
             problems.append(f"line {number}: not valid JSON ({exc})")
             continue
         try:
-            memories.append(parse_memory(obj, content_id(bank, line)))
+            memories.append((f"line {number}", parse_memory(obj, content_id(bank, line))))
         except ValidationError as exc:
             problems += [f"line {number}: {p}" for p in exc.problems]
+    # Two identical lines without an id derive the same id, so they are caught here too.
+    problems += repeated_id_problems(memories)
     if problems:
         raise ValidationError(f"{path}: {len(problems)} problem(s), nothing was ingested", problems)
-    return memories
+    return [memory for _, memory in memories]
 
 
 async def _ingest(settings: Settings, bank: str, memories: list[NewMemory]) -> tuple[int, int]:

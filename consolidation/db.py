@@ -46,6 +46,7 @@ MIGRATION_LOCK_KEY = 0x636F6E73  # "cons"
 # pgserver runs Postgres as this OS user when started as root (Postgres refuses to run as root).
 EMBEDDED_OS_USER = "pgserver"
 _GROUP_OTHER_RX = stat.S_IRGRP | stat.S_IXGRP | stat.S_IROTH | stat.S_IXOTH
+_GROUP_OTHER_R = stat.S_IRGRP | stat.S_IROTH
 # Linux's limit on a Unix socket path is 108 bytes, macOS's 104.
 _SOCKET_PATH_MAX = 103
 
@@ -120,12 +121,64 @@ def embedded_root_side_effects(
     return RootSideEffects(pgdata, creates_user, tuple(opened))
 
 
-def embedded_database_url(data_dir: Path) -> str:
-    """Start (or reuse) the embedded Postgres under ``data_dir`` and return its URL.
+def _outside_data_dir(effects: RootSideEffects, data_dir: Path, binaries: Path) -> list[str]:
+    """What pgserver would change outside ``data_dir`` (already resolved), in words."""
+    changes = [f"add g+rx,o+rx to {p}" for p in effects.opened if not p.is_relative_to(data_dir)]
+    if len(os.fsencode(effects.pgdata / ".s.PGSQL.5432")) > _SOCKET_PATH_MAX:
+        changes.append("make a socket directory under its runtime directory mode 0777")
+    # pgserver also adds go+rx to every file of its bin/ and go+r to every file of its lib/.
+    closed = [
+        path
+        for folder, bits in ((binaries, _GROUP_OTHER_RX), (binaries.parent / "lib", _GROUP_OTHER_R))
+        if folder.is_dir()
+        for path in folder.rglob("*")
+        if not path.is_symlink() and path.stat().st_mode & bits != bits
+    ]
+    if closed:
+        changes.append(f"open {len(closed)} file(s) of its own package, e.g. {closed[0]}")
+    return changes
 
-    Processes sharing one data directory share the server; the last one to exit stops it.
-    The data stays for the next command. As root, what pgserver is about to change on the
-    machine is logged first, in one line (:func:`embedded_root_side_effects`).
+
+def _forget_dead_handles(pgdata: Path) -> list[int]:
+    """Drop the processes that died without saying so (SIGKILL, OOM) from pgserver's list of
+    processes using the server under ``pgdata``; returns their pids.
+
+    pgserver stops the server when the last process on that list exits cleanly, so a dead pid
+    left on it would keep the server running for ever after every later clean exit.
+    """
+    from pgserver.postgres_server import PostgresServer
+    from pgserver.utils import DiskList
+
+    handles = DiskList(pgdata / ".handle_pids.json")
+    with PostgresServer._lock:  # pgserver's own inter-process lock over that list
+        try:
+            pids: list[int] = handles.get()
+        except (OSError, ValueError):
+            return []  # unreadable: pgserver rewrites it as it goes
+        dead = [pid for pid in pids if not _process_alive(pid)]
+        if dead:
+            handles.put([pid for pid in pids if pid not in dead])
+    return dead
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, owned by someone else
+    return True
+
+
+def embedded_database_url(data_dir: Path) -> str:
+    """Start (or adopt) the embedded Postgres under ``data_dir`` and return its URL.
+
+    Processes sharing one data directory share the server; the last one to exit cleanly stops
+    it, and a server left by a process that was killed is adopted (then stopped the same way).
+    The data stays for the next command. As root, starting is refused, in one line, when
+    pgserver would change the permissions of anything outside ``data_dir``; what it does
+    change (the OS user, the data directory) is logged first (:func:`embedded_root_side_effects`).
     """
     # Imported lazily: it is only needed when no URL is configured. Its platformdirs lookup
     # warns when XDG_RUNTIME_DIR is unset (containers, CI), which says nothing to our users.
@@ -134,9 +187,20 @@ def embedded_database_url(data_dir: Path) -> str:
         from pgserver.postgres_server import get_server
 
         data_dir.mkdir(parents=True, exist_ok=True)
-        pgdata = (data_dir / "pgdata").resolve()
+        data_dir = data_dir.resolve()
+        pgdata = data_dir / "pgdata"
         effects = embedded_root_side_effects(pgdata)
+    check_embedded_data_version(pgdata)  # data it cannot open at all is the first thing to say
     if effects is not None:
+        outside = _outside_data_dir(effects, data_dir, _embedded_binaries())
+        if outside:
+            raise ConfigError(
+                "running as root, the embedded Postgres (run as the OS user "
+                f"{EMBEDDED_OS_USER!r}) would {'; '.join(outside)}, outside "
+                f"CONSOLIDATION_DATA_DIR={data_dir}: set CONSOLIDATION_DATABASE_URL, run as "
+                "another user, or keep CONSOLIDATION_DATA_DIR (default /var/lib/consolidation) "
+                "and the installed package under directories others can already enter"
+            )
         log.warning(
             "embedded_postgres_as_root",
             message=effects.describe(),
@@ -144,7 +208,16 @@ def embedded_database_url(data_dir: Path) -> str:
             os_user_created=effects.creates_user,
             directories_opened=[str(p) for p in effects.opened],
         )
-    check_embedded_data_version(pgdata)
+    if pgdata.is_dir():
+        dead = _forget_dead_handles(pgdata)
+        if dead:
+            log.warning(
+                "embedded_postgres_adopted",
+                message="processes using the embedded Postgres died without stopping it; "
+                "this one takes over, and the last clean exit stops it",
+                data_dir=str(pgdata),
+                dead_pids=dead,
+            )
     server = get_server(pgdata, cleanup_mode="stop")
     url: str = server.get_uri()
     log.info("embedded_postgres", data_dir=str(pgdata), url=url)

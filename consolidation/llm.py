@@ -8,7 +8,6 @@ Both raise only the typed errors of :mod:`consolidation.errors`.
 
 from __future__ import annotations
 
-import asyncio
 import re
 from dataclasses import dataclass
 from typing import Any, Protocol, Unpack
@@ -152,7 +151,6 @@ class HTTPConsolidator:
         self._auto = response_format == "auto"
         self._form = "json_schema" if self._auto else response_format
         self._form_settled = not self._auto
-        self._form_probe: asyncio.Future[bool] | None = None
         self._refusals: list[dict[str, Any]] = []
         # OpenAI's reasoning models (o-series, gpt-5) refuse max_tokens for max_completion_tokens.
         self._token_field = "max_tokens"
@@ -186,27 +184,11 @@ class HTTPConsolidator:
         return answer
 
     async def _attempt(self, chat: prompts.Chat, retries: int, budget: Budget) -> LLMAnswer:
-        # Until the endpoint has accepted a form, one request at a time probes it; the others
-        # wait for its verdict rather than all collect the same refusal. A probe that ends
-        # without one (a timeout, a 503) lets them all go: a slow endpoint must not make the
-        # passes queue behind each other's timeouts.
-        while not self._form_settled:
-            probe = self._form_probe
-            if probe is None:
-                return await self._probe(chat, retries, budget)
-            if not await asyncio.shield(probe):
-                break
+        # Every request goes with the current form, even before the endpoint has accepted one:
+        # waiting for a verdict would keep every slot but one idle for a whole model latency at
+        # each start, while a refusal is fast and moves every later request (and the resend of
+        # each refused one) to the next form, so a refusing server costs a few quick errors once.
         return await self._send(chat, self._form, retries, budget)
-
-    async def _probe(self, chat: prompts.Chat, retries: int, budget: Budget) -> LLMAnswer:
-        form = self._form
-        probe = self._form_probe = asyncio.get_running_loop().create_future()
-        try:
-            return await self._send(chat, form, retries, budget)
-        finally:
-            self._form_probe = None
-            # A verdict: the form was accepted, or refused and the next one is current.
-            probe.set_result(self._form_settled or self._form != form)
 
     async def _send(self, chat: prompts.Chat, form: str, retries: int, budget: Budget) -> LLMAnswer:
         max_tokens = min(chat.max_tokens, self._max_tokens)
@@ -260,7 +242,8 @@ class HTTPConsolidator:
                 f"({', '.join(prompts.RESPONSE_FORMATS)}); last HTTP {status}: {detail!r}: "
                 "the service needs a server with at least a JSON mode"
             )
-        # Passes that sent the same form at once all see the refusal; the first one moves on.
+        # Passes that sent the same form at once all see the refusal; the first one moves on,
+        # the others (and any sent with a form refused earlier) are resent with the current one.
         if self._form == form:
             self._form = prompts.RESPONSE_FORMATS[index + 1]
             self._form_settled = False

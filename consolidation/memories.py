@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -179,15 +179,34 @@ def _bad_id() -> uuid.UUID:
     raise ValueError("not a string")
 
 
+def repeated_id_problems(labelled: Iterable[tuple[str, NewMemory]]) -> list[str]:
+    """One problem per memory whose id an earlier one of the same request already has.
+
+    An id names one memory, so a request carrying it twice is ambiguous (which text wins?) and
+    is rejected whole rather than half-stored; labels say where each memory came from.
+    """
+    first_seen: dict[uuid.UUID, str] = {}
+    problems: list[str] = []
+    for label, memory in labelled:
+        earlier = first_seen.setdefault(memory.id, label)
+        if earlier != label:
+            problems.append(f"{label}: id {memory.id} is already used by {earlier}")
+    return problems
+
+
 def parse_memories(objs: Sequence[object]) -> list[NewMemory]:
-    """Validate a batch as a whole: any bad item rejects all, naming each item's index and reason."""
-    parsed: list[NewMemory] = []
+    """Validate a batch as a whole: any bad item rejects all, naming each item's index and reason.
+
+    An id given twice in the batch is a problem of the later item.
+    """
+    parsed: list[tuple[str, NewMemory]] = []
     problems: list[str] = []
     for index, obj in enumerate(objs):
         try:
-            parsed.append(parse_memory(obj))
+            parsed.append((f"memories[{index}]", parse_memory(obj)))
         except ValidationError as exc:
             problems += [f"memories[{index}]: {p}" for p in exc.problems]
+    problems += repeated_id_problems(parsed)
     if problems:
         raise ValidationError(f"{len(problems)} problem(s) in the memories", problems)
-    return parsed
+    return [memory for _, memory in parsed]

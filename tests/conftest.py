@@ -13,9 +13,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import shutil
+import signal
 import tempfile
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
@@ -211,3 +215,33 @@ def fake() -> Iterator[FakeLLMServer]:
     """The project's fake OpenAI-compatible LLM over real HTTP on loopback, fresh per test."""
     with FakeLLMServer(FakeLLMConfig()) as server:
         yield server
+
+
+def embedded_postmaster_pid(data_dir: Path) -> int | None:
+    """The pid of the embedded Postgres running on ``data_dir``'s pgdata, None when none is."""
+    try:
+        pid = int((data_dir / "pgdata" / "postmaster.pid").read_text().split()[0])
+        os.kill(pid, 0)
+    except (FileNotFoundError, IndexError, ValueError, ProcessLookupError):
+        return None
+    return pid
+
+
+@pytest.fixture
+def open_data_dir() -> Iterator[Path]:
+    """A ``CONSOLIDATION_DATA_DIR`` (not yet created) whose parents everyone may enter, so that
+    the embedded Postgres may start there as root; its server is stopped and all removed after.
+
+    pytest's own tmp_path lies under a 0700 directory, where, as root, starting is refused.
+    """
+    parent = Path(tempfile.mkdtemp(prefix="consolidation-data-"))
+    parent.chmod(0o755)
+    data_dir = parent / "data"
+    yield data_dir
+    pid = embedded_postmaster_pid(data_dir)
+    if pid is not None:
+        os.kill(pid, signal.SIGINT)  # Postgres' fast shutdown
+        deadline = time.monotonic() + 60
+        while embedded_postmaster_pid(data_dir) is not None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    shutil.rmtree(parent, ignore_errors=True)

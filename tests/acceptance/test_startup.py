@@ -95,7 +95,7 @@ def _with(url: str, *, user: str | None = None, database: str | None = None) -> 
     [
         ("unknown database", 'database "no_such_database" does not exist'),
         ("unknown role", 'role "no_such_role" does not exist'),
-        ("unknown host", "host name 'no-such-host.invalid' not found"),
+        ("unknown host", "host name '-no-such-host-' not found"),
     ],
 )
 @pytest.mark.parametrize("verb", ["serve", "migrate"])
@@ -105,7 +105,10 @@ def test_a_cause_that_waiting_cannot_fix_fails_at_once_with_one_line(
     url = {
         "unknown database": _with(database_url, database="no_such_database"),
         "unknown role": _with(database_url, user="no_such_role"),
-        "unknown host": f"postgresql://app:{PASSWORD}@no-such-host.invalid:5432/app",
+        # Not a valid host name, so the resolver library answers "not found" without asking a
+        # name server: the case holds with loopback only, where a DNS query would only say
+        # "try again" (rightly retried) or time out.
+        "unknown host": f"postgresql://app:{PASSWORD}@-no-such-host-:5432/app",
     }[case]
     # An hour of retrying would outlast run_cli's deadline: these must not retry at all.
     result = run_cli(VERBS[verb], url, CONSOLIDATION_DATABASE_WAIT_S="3600")
@@ -126,32 +129,3 @@ async def test_a_server_that_comes_up_within_the_wait_is_used(
         await service.wait_event("database_unreachable_retrying")
         proxy.restore()
         await service.wait_event("service_started")
-
-
-def test_as_root_the_embedded_postgres_says_what_it_will_change_before_it_does(
-    tmp_path: Path,
-) -> None:
-    locked = tmp_path / "locked"
-    (locked / "data").mkdir(parents=True)
-    locked.chmod(0o700)
-    env = {**os.environ, "CONSOLIDATION_LOG_FORMAT": "json"}
-    env.pop("CONSOLIDATION_DATABASE_URL", None)
-    env["CONSOLIDATION_DATA_DIR"] = str(locked / "data")
-    result = subprocess.run(
-        [sys.executable, "-m", "consolidation.cli", "migrate"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr
-    records = [orjson.loads(line) for line in result.stderr.splitlines()]
-    said = [r for r in records if r["event"] == "embedded_postgres_as_root"]
-    if os.geteuid() != 0:
-        assert said == [] and locked.stat().st_mode & 0o777 == 0o700
-        return
-    assert len(said) == 1 and str(locked) in said[0]["directories_opened"]
-    assert str(locked) in said[0]["message"]
-    started = [r["event"] for r in records].index("embedded_postgres")
-    assert records.index(said[0]) < started, "said before the server was started"
-    assert locked.stat().st_mode & 0o055 == 0o055, "pgserver opened it, as the line said"

@@ -164,6 +164,26 @@ async def test_an_id_of_another_bank_is_a_409_and_nothing_is_written(
     assert await pool.fetchval("SELECT count(*) FROM memories") == 1
 
 
+async def test_an_id_given_twice_in_one_request_is_a_422_naming_it_and_nothing_is_written(
+    client: httpx.AsyncClient, pool: asyncpg.Pool
+) -> None:
+    repeated = str(uuid.uuid4())
+    response = await client.post(
+        "/v1/banks/b/memories",
+        json={
+            "memories": [
+                {"id": repeated, "text": "first"},
+                {"text": "other"},
+                {"id": repeated, "text": "second"},
+            ]
+        },
+    )
+    error = assert_error(response, 422, "invalid_memories")
+    assert error["details"] == [f"memories[2]: id {repeated} is already used by memories[0]"]
+    assert await pool.fetchval("SELECT count(*) FROM memories") == 0
+    assert await pool.fetchval("SELECT count(*) FROM operations") == 0
+
+
 def _nested(depth: int) -> dict[str, Any]:
     value: dict[str, Any] = {}
     for _ in range(depth):

@@ -93,23 +93,16 @@ def test_a_bad_setting_is_a_one_line_error_naming_it() -> None:
 
 
 def test_without_a_database_url_an_embedded_postgres_is_started_and_announced(
-    tmp_path: Path,
+    open_data_dir: Path,
 ) -> None:
-    env = {"CONSOLIDATION_DATA_DIR": str(tmp_path / "data"), "CONSOLIDATION_DATABASE_URL": ""}
-    try:
-        first = run_cli("migrate", env=env)
-        assert first.returncode == 0, first.stderr
-        assert "embedded_postgres" in first.stderr
-        assert "schema migrated from empty" in first.stdout
-        # The next command reuses the same server and data.
-        second = run_cli("migrate", env=env)
-        assert second.returncode == 0 and "schema already at" in second.stdout
-    finally:
-        import pgserver
-
-        pgdata = tmp_path / "data" / "pgdata"
-        if pgdata.exists():
-            pgserver.get_server(pgdata, cleanup_mode="stop").cleanup()
+    env = {"CONSOLIDATION_DATA_DIR": str(open_data_dir), "CONSOLIDATION_DATABASE_URL": ""}
+    first = run_cli("migrate", env=env)
+    assert first.returncode == 0, first.stderr
+    assert "embedded_postgres" in first.stderr
+    assert "schema migrated from empty" in first.stdout
+    # The next command uses the same data.
+    second = run_cli("migrate", env=env)
+    assert second.returncode == 0 and "schema already at" in second.stdout
 
 
 async def test_a_tag_with_a_control_character_is_refused_as_the_api_refuses_it(
@@ -121,3 +114,33 @@ async def test_a_tag_with_a_control_character_is_refused_as_the_api_refuses_it(
     )
     assert result.returncode != 0
     assert "control characters" in result.stderr
+
+
+async def test_a_file_repeating_an_id_is_rejected_whole_naming_both_lines(
+    database_url: str, tmp_path: Path
+) -> None:
+    repeated = str(uuid.uuid4())
+    same_line = {"text": "Bob cycles"}
+    file = write_jsonl(
+        tmp_path / "dup.jsonl",
+        [
+            {"id": repeated, "text": "first"},
+            same_line,
+            {"id": repeated, "text": "second"},
+            same_line,
+        ],
+    )
+    result = run_cli(
+        "ingest", "bank-d", str(file), env={"CONSOLIDATION_DATABASE_URL": database_url}
+    )
+    assert result.returncode == 2
+    assert "nothing was ingested" in result.stderr
+    assert f"line 3: id {repeated} is already used by line 1" in result.stderr
+    # Identical lines without an id derive the same id: the same memory twice.
+    assert "is already used by line 2" in result.stderr
+    assert "Traceback" not in result.stderr
+    conn = await asyncpg.connect(database_url)
+    try:
+        assert await conn.fetchval("SELECT count(*) FROM memories") == 0
+    finally:
+        await conn.close()

@@ -448,7 +448,7 @@ def bank_of(topics: int, per_topic: int) -> list[dict[str, Any]]:
     return [m for t in range(topics) for m in topic(f"P{t}", per_topic, [f"t{t}"])]
 
 
-async def test_a_llama_cpp_python_endpoint_is_probed_once_and_consolidates_with_a_schema(
+async def test_a_llama_cpp_python_endpoint_refuses_each_first_call_once_then_gets_a_schema(
     pool: asyncpg.Pool,
 ) -> None:
     await ingest(pool, "b", bank_of(10, 4))
@@ -458,7 +458,8 @@ async def test_a_llama_cpp_python_endpoint_is_probed_once_and_consolidates_with_
         calls = fake.stats()["calls"]
     assert end.status == "completed", end.error
     assert end.summary.failed == 0 and end.summary.perf.splits == 0
-    assert [c["status"] for c in calls].count(500) == 1
+    # The first calls go together (eight groups); each refused one is resent with the next form.
+    assert 1 <= [c["status"] for c in calls].count(500) <= 8
     assert {(c["response_format"], c["schema"]) for c in calls if c["status"] == 200} == {
         ("json_object", True)
     }

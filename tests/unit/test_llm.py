@@ -547,20 +547,42 @@ async def test_auto_ends_at_plain_json_object_and_warns_that_decoding_is_unconst
         ]
 
 
-async def test_auto_probes_once_while_many_passes_start_together(make_client: Any) -> None:
+async def test_auto_sends_the_first_calls_together_and_resends_each_refused_one_once(
+    make_client: Any,
+) -> None:
     with FakeLLMServer(FakeLLMConfig(dialect="llama-cpp-python", latency_ms=20)) as fake:
-        client = make_client(fake.url, max_concurrent=8)
+        client = make_client(fake.url, max_concurrent=8, max_retries=0)
         with capture_logs() as logs:
-            await asyncio.gather(
+            answers = await asyncio.gather(
                 *(client.complete(chat(f"fact {i}", scope=(f"s{i}",))) for i in range(12))
             )
-        stats = fake.stats()
-        assert stats["statuses"] == {500: 1, 200: 12}
-        assert stats["max_in_flight"] > 1  # settled, the passes run in parallel again
+        calls = fake.stats()["calls"]
+        refused = [c for c in calls if c["status"] == 500]
+        # Each pass is refused at most once: its resend, and every request built after the
+        # first refusal, carries the next form.
+        assert 1 <= len(refused) <= 12
+        assert {c["response_format"] for c in refused} == {"json_schema"}
+        assert [c["status"] for c in calls].count(200) == 12
+        assert {c["response_format"] for c in calls if c["status"] == 200} == {"json_object"}
+        assert all(a.retries <= 1 for a in answers)
         assert len([e for e in logs if e["event"] == "llm_response_format"]) == 1
 
 
-async def test_passes_do_not_queue_behind_a_probe_that_times_out(make_client: Any) -> None:
+async def test_auto_does_not_hold_the_first_calls_behind_one_answer(make_client: Any) -> None:
+    # A latency long enough that eight requests leave before the first answer comes back.
+    with FakeLLMServer(FakeLLMConfig(latency_ms=1000)) as fake:
+        client = make_client(fake.url, max_concurrent=8)
+        await asyncio.gather(
+            *(client.complete(chat(f"fact {i}", scope=(f"s{i}",))) for i in range(8))
+        )
+        calls = fake.stats()["calls"]
+        assert len(calls) == 8 and {c["status"] for c in calls} == {200}
+        first_answer = min(c["ended"] for c in calls)
+        assert all(c["started"] < first_answer for c in calls)
+        assert client.response_format_mode == "json_schema"
+
+
+async def test_passes_do_not_queue_behind_a_first_call_that_times_out(make_client: Any) -> None:
     with FakeLLMServer() as fake:
         fake.control(script=[{"hang": True}] * 4)
         client = make_client(fake.url, timeout_s=0.3, max_retries=0)
@@ -569,8 +591,8 @@ async def test_passes_do_not_queue_behind_a_probe_that_times_out(make_client: An
             return_exceptions=True,
         )
         assert all(isinstance(r, LLMRetriesExhausted) for r in results)
-        # The probe hung alone; once it timed out without a verdict the other three went
-        # together (queued one by one, at most two would overlap: one leaving, one arriving).
+        # No call waits for another's verdict on the format (queued one by one, at most two
+        # would overlap: one leaving, one arriving).
         assert fake.stats()["max_in_flight"] >= 3
         assert client.response_format_mode == "json_schema"
 
