@@ -25,6 +25,7 @@ from starlette.responses import Response
 import consolidation
 import consolidation.metrics  # registers the project's metrics, so /metrics lists them
 from consolidation import db, queue, store
+from consolidation.api_docs import add_docs_routes
 from consolidation.api_errors import (
     ApiError,
     add_exception_handlers,
@@ -100,7 +101,7 @@ def create_app(
         title="consolidation",
         version=consolidation.__version__,
         description="Consolidates an AI agent's memories into observations with an LLM.",
-        docs_url="/docs",
+        docs_url=None,  # /docs and /redoc come from api_docs.py, without a CDN
         openapi_url="/openapi.json",
         redoc_url=None,
         redirect_slashes=False,
@@ -119,6 +120,7 @@ def create_app(
     _add_v1_routes(v1, settings, pool)
     app.include_router(v1)
     _add_probe_routes(app, pool, contact, settings.lease_s)
+    add_docs_routes(app)
     add_ui_routes(app, pool, credentials)
     return app
 

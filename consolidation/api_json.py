@@ -1,8 +1,14 @@
-"""JSON request bodies parsed with orjson: the route class of every ``/v1`` route."""
+"""JSON request bodies parsed with orjson: the route class of every ``/v1`` route.
+
+A body sent with another content type (or none: what ``curl -d`` and HTML forms send) is
+refused with a 415 saying so, before FastAPI would read it as raw bytes and answer a puzzling
+"Input should be a valid dictionary".
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Coroutine
+from email.message import Message
 from typing import Any
 
 import orjson
@@ -10,7 +16,21 @@ from fastapi.routing import APIRoute
 from starlette.requests import Request
 from starlette.responses import Response
 
-__all__ = ["OrjsonRoute"]
+from consolidation.api_errors import ApiError
+
+__all__ = ["OrjsonRoute", "is_json"]
+
+
+def is_json(content_type: str | None) -> bool:
+    """``application/json`` or any ``application/*+json``, parameters (charset) allowed."""
+    if not content_type:
+        return False
+    message = Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (
+        subtype == "json" or subtype.endswith("+json")
+    )
 
 
 class _OrjsonRequest(Request):
@@ -23,12 +43,25 @@ class _OrjsonRequest(Request):
 
 
 class OrjsonRoute(APIRoute):
-    """An APIRoute whose request body is parsed by orjson instead of the standard library."""
+    """An APIRoute whose request body is parsed by orjson instead of the standard library, and
+    must be sent as JSON."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
+        takes_body = self.body_field is not None
 
         async def orjson_handler(request: Request) -> Response:
-            return await handler(_OrjsonRequest(request.scope, request.receive))
+            request = _OrjsonRequest(request.scope, request.receive)
+            if takes_body:
+                content_type = request.headers.get("content-type")
+                if not is_json(content_type) and await request.body():
+                    got = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
+                    raise ApiError(
+                        415,
+                        "unsupported_media_type",
+                        f"the request body must be JSON, sent with 'Content-Type: "
+                        f"application/json' (got {got})",
+                    )
+            return await handler(request)
 
         return orjson_handler

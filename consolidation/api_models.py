@@ -239,4 +239,4 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 
 # Every /v1 route can answer these whatever its own errors.
-V1_ERRORS = (400, 401, 404, 405, 413, 422, 500, 503)
+V1_ERRORS = (400, 401, 404, 405, 413, 415, 422, 500, 503)

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import io
 import signal
 import sys
+import threading
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, TextIO, cast
 
 import orjson
 import structlog
@@ -133,11 +135,20 @@ def cmd_ingest(args: argparse.Namespace, settings: Settings) -> int:
 
 
 class ProgressBar:
-    """A one-line progress bar on stderr, drawn only on a terminal."""
+    """A one-line progress bar at the bottom of a terminal (stderr), drawn only when enabled.
 
-    def __init__(self, enabled: bool) -> None:
+    Log lines written to ``stream`` appear above the bar, which is drawn again below them, so
+    neither breaks the other.
+    """
+
+    def __init__(self, enabled: bool, out: TextIO | None = None) -> None:
         self.enabled = enabled
-        self.drawn = False
+        self._out = out or sys.stderr
+        self._line = ""  # the bar as last drawn; "" before the first update and after close
+        self._mid_line = False  # a log line was written in part: the cursor is not at a start
+        self._lock = threading.Lock()  # stdlib loggers may write from other threads
+        # typeshed's TextIO is a protocol of its own that io.TextIOBase does not declare.
+        self.stream: TextIO = cast(TextIO, _AboveBar(self)) if enabled else self._out
 
     def update(self, summary: RunSummary) -> None:
         if not self.enabled:
@@ -145,16 +156,52 @@ class ProgressBar:
         total = max(summary.total, summary.processed, 1)
         width = 30
         filled = int(width * summary.processed / total)
-        sys.stderr.write(
-            f"\r[{'#' * filled}{'.' * (width - filled)}] {summary.processed}/{summary.total} "
+        line = (
+            f"[{'#' * filled}{'.' * (width - filled)}] {summary.processed}/{summary.total} "
             f"memories ({summary.failed} failed)"
         )
-        sys.stderr.flush()
-        self.drawn = True
+        with self._lock:
+            self._line = line
+            if not self._mid_line:
+                self._out.write(f"\r{line}{CLEAR_TO_END}")
+                self._out.flush()
+
+    def write_above(self, text: str) -> None:
+        """Write ``text`` where the bar is, then draw the bar again on the line below it."""
+        with self._lock:
+            if self._line and not self._mid_line:
+                self._out.write(f"\r{CLEAR_TO_END}")
+            self._out.write(text)
+            self._mid_line = not text.endswith("\n")
+            if self._line and not self._mid_line:
+                self._out.write(self._line)
+            self._out.flush()
 
     def close(self) -> None:
-        if self.drawn:
-            sys.stderr.write("\n")
+        """Leave the bar as last drawn and move below it."""
+        with self._lock:
+            if self._line:
+                self._out.write("\n")
+                self._out.flush()
+            self._line = ""
+
+
+# ANSI "erase to the end of the line": a shorter line drawn over a longer one leaves no tail.
+CLEAR_TO_END = "\x1b[K"
+
+
+class _AboveBar(io.TextIOBase):
+    """The stream loggers write to while a progress bar is on the terminal."""
+
+    def __init__(self, bar: ProgressBar) -> None:
+        self._bar = bar
+
+    def write(self, text: str) -> int:
+        self._bar.write_above(text)
+        return len(text)
+
+    def isatty(self) -> bool:
+        return True
 
 
 async def _replay(settings: Settings, bank: str, reset: bool, bar: ProgressBar) -> Operation:
@@ -214,12 +261,16 @@ def describe_operation(op: Operation) -> str:
         f"operation {op.id} {op.status}: {result.get('processed', 0)} memories processed "
         f"({actions}); {perf.llm_calls} LLM calls"
     )
+    if op.started_at and op.finished_at:
+        line += f"; {(op.finished_at - op.started_at).total_seconds():.1f} s"
     return line + (f"; error: {op.error}" if op.error and op.status != "completed" else "")
 
 
 def cmd_replay(args: argparse.Namespace, settings: Settings) -> int:
     _check_bank_arg(args.bank)
     bar = ProgressBar(enabled=sys.stderr.isatty() and not args.json)
+    if bar.enabled:
+        configure_logging(settings.log_format, settings.log_level, stream=bar.stream)
     op = runtime.run(_replay(settings, args.bank, args.reset, bar), settings.event_loop)
     if args.json:
         sys.stdout.write(orjson.dumps(op.to_json(), option=orjson.OPT_INDENT_2).decode() + "\n")

@@ -11,7 +11,7 @@ import logging
 import sys
 import threading
 from types import TracebackType
-from typing import Any
+from typing import Any, TextIO
 
 import orjson
 import structlog
@@ -21,10 +21,14 @@ def _orjson_dumps(obj: Any, default: Any = None) -> str:
     return orjson.dumps(obj, default=default).decode()
 
 
-def configure_logging(fmt: str | None = None, level: str = "INFO") -> None:
-    """Configure structlog and stdlib logging once; ``fmt`` None picks console on a TTY."""
+def configure_logging(
+    fmt: str | None = None, level: str = "INFO", stream: TextIO | None = None
+) -> None:
+    """Configure structlog and stdlib logging to write to ``stream`` (stderr when None); ``fmt``
+    None picks console on a TTY. Calling it again replaces the previous configuration."""
+    stream = stream or sys.stderr
     if fmt is None:
-        fmt = "console" if sys.stderr.isatty() else "json"
+        fmt = "console" if stream.isatty() else "json"
     timestamper = structlog.processors.TimeStamper(fmt="iso", utc=True)
     renderer: Any
     tracebacks: list[Any] = []
@@ -51,10 +55,10 @@ def configure_logging(fmt: str | None = None, level: str = "INFO") -> None:
         # WriteLogger hands the stream each line and its newline in one write(); print() makes
         # two system calls of it, between which another process sharing the stream (replicas
         # behind one pipe) or the stdlib handler below could put a line of its own.
-        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.WriteLoggerFactory(file=stream),
         cache_logger_on_first_use=False,
     )
-    handler = logging.StreamHandler(sys.stderr)
+    handler = logging.StreamHandler(stream)
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             foreign_pre_chain=[

@@ -3,9 +3,10 @@ packages (.ci/run installs them), so nothing is downloaded at run time."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -40,9 +41,17 @@ FLAGS = (
 )
 
 
+# No host name resolves but the loopback's: a page that needs anything from the internet fails
+# to load it, as on a machine without a network.
+OFFLINE = ("--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE localhost, EXCLUDE 127.0.0.1",)
+
+
 @contextmanager
-def chromium(user_data_dir: Path) -> Iterator[WebDriver]:
-    """A fresh browser profile in ``user_data_dir``; quits the browser at the end."""
+def chromium(
+    user_data_dir: Path, *, flags: Sequence[str] = (), network_log: bool = False
+) -> Iterator[WebDriver]:
+    """A fresh browser profile in ``user_data_dir``; quits the browser at the end. ``flags`` are
+    added to FLAGS; ``network_log`` records every request for ``requested_urls``."""
     missing = [p for p in (CHROMIUM, CHROMEDRIVER) if not shutil.which(p)]
     if missing:
         # CI (.ci/run) installs them and requires them; a developer's first run without them
@@ -56,14 +65,31 @@ def chromium(user_data_dir: Path) -> Iterator[WebDriver]:
         pytest.skip(message)
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for flag in FLAGS:
+    for flag in (*FLAGS, *flags):
         options.add_argument(flag)
+    if network_log:
+        options.set_capability("goog:loggingPrefs", {"performance": "ALL"})
     options.add_argument(f"--user-data-dir={user_data_dir}")
     driver = webdriver.Chrome(options=options, service=Service(executable_path=CHROMEDRIVER))
     try:
         yield driver
     finally:
         driver.quit()
+
+
+def requested_urls(driver: WebDriver) -> list[str]:
+    """The URLs the browser sent requests to since the last call (``network_log=True``); a
+    request the browser itself blocked (a Content-Security-Policy) never left it, so is not one."""
+    sent: dict[str, str] = {}
+    blocked: set[str] = set()
+    for entry in driver.get_log("performance"):
+        message = json.loads(entry["message"])["message"]
+        params = message["params"]
+        if message["method"] == "Network.requestWillBeSent":
+            sent[params["requestId"]] = params["request"]["url"]
+        elif message["method"] == "Network.loadingFailed" and params.get("blockedReason"):
+            blocked.add(params["requestId"])
+    return [url for request, url in sent.items() if request not in blocked]
 
 
 def wait(

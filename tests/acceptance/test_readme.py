@@ -27,9 +27,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def try_it_blocks() -> list[str]:
     """The ```sh blocks of the README's "## Try it" section, in order."""
+    return section_blocks("Try it", "sh")
+
+
+def section_blocks(title: str, language: str) -> list[str]:
+    """The code blocks of one ``language`` in the README's section ``## {title}``, in order."""
     readme = (ROOT / "README.md").read_text()
-    section = readme.split("\n## Try it\n", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"^```sh\n(.*?)^```$", section, flags=re.MULTILINE | re.DOTALL)
+    section = readme.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(rf"^```{language}\n(.*?)^```$", section, flags=re.MULTILINE | re.DOTALL)
 
 
 def test_the_try_it_section_has_the_api_and_the_command_line_blocks() -> None:
@@ -94,3 +99,36 @@ async def test_the_readme_try_it_commands_run_as_written(
     assert re.search(r"operation \S+ completed: 12 memories processed", cli), cli
     replayed = json.loads(cli[cli.index("{") :])
     assert replayed["status"] == "completed" and replayed["result"]["processed"] == 12
+
+
+async def test_the_readme_python_client_agent_runs_as_written(
+    database_url: str, services: list[ServiceProcess], tmp_path: Path
+) -> None:
+    (agent,) = section_blocks("Python client", "python")
+    (command,) = section_blocks("Python client", "sh")
+    assert len(agent.strip().splitlines()) <= 10
+    service = ServiceProcess(
+        "svc",
+        tmp_path,
+        {"CONSOLIDATION_DATABASE_URL": database_url, "CONSOLIDATION_LLM_BASE_URL": ""},
+    )
+    services.append(service)
+    port = (await service.api_url()).rsplit(":", 1)[1]
+    clone = tmp_path / "clone"
+    clone.mkdir()
+    (clone / ".venv").symlink_to(sys.prefix, target_is_directory=True)
+    (clone / "agent.py").write_text(agent.replace("localhost:8080", f"localhost:{port}"))
+    result = await asyncio.to_thread(
+        subprocess.run,
+        ["bash", "-euo", "pipefail", "-c", command],
+        cwd=clone,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert result.returncode == 0, f"{command}\n--- stdout\n{result.stdout}\n{result.stderr}"
+    first, second = result.stdout.splitlines()
+    assert first.startswith("completed: after 'Bob prefers window seats' the agent knows [")
+    assert "window seats" in first and "Lisbon" not in first
+    assert second.startswith("completed: after 'Bob moved to Lisbon in March'")
+    assert "window seats" in second and "Lisbon" in second

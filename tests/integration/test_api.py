@@ -723,6 +723,54 @@ async def test_the_openapi_document_is_served(client: httpx.AsyncClient) -> None
     assert (await client.get("/docs")).status_code == 200
 
 
+async def test_the_docs_pages_load_their_scripts_from_the_service_itself(
+    client: httpx.AsyncClient,
+) -> None:
+    for page, asset in (
+        ("/docs", "/static/swagger-ui-bundle.js"),
+        ("/docs", "/static/swagger-ui.css"),
+        ("/redoc", "/static/redoc.standalone.js"),
+    ):
+        html = (await client.get(page)).text
+        assert f'"{asset}"' in html and "https://" not in html, html
+        served = await client.get(asset)
+        assert served.status_code == 200 and len(served.content) > 10_000, asset
+    assert (await client.get("/docs/oauth2-redirect")).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("path", "headers"),
+    [
+        ("/v1/banks/b/memories", {"Content-Type": "application/x-www-form-urlencoded"}),
+        ("/v1/banks/b/memories", {"Content-Type": "text/plain"}),
+        ("/v1/banks/b/memories", {}),
+        ("/v1/banks/b/consolidations", {"Content-Type": "multipart/form-data; boundary=x"}),
+    ],
+)
+async def test_a_body_not_sent_as_json_is_415_saying_so(
+    client: httpx.AsyncClient, path: str, headers: dict[str, str]
+) -> None:
+    await ingest(client, "b", {"text": "x"})
+    body = b'{"memories": [{"text": "Alice likes tea"}]}'
+    response = await client.post(path, content=body, headers=headers)
+    error = assert_error(response, 415, "unsupported_media_type")
+    assert "Content-Type: application/json" in error["message"]
+    assert (headers.get("Content-Type", "no Content-Type")) in error["message"]
+
+
+@pytest.mark.parametrize(
+    "content_type", ["application/json", "application/json; charset=utf-8", "application/x+json"]
+)
+async def test_any_json_content_type_is_accepted(
+    client: httpx.AsyncClient, content_type: str
+) -> None:
+    body = b'{"memories": [{"text": "Alice likes tea"}]}'
+    response = await client.post(
+        "/v1/banks/b/memories", content=body, headers={"Content-Type": content_type}
+    )
+    assert response.status_code == 201, response.text
+
+
 async def test_an_unexpected_exception_is_a_generic_json_500(
     pool: asyncpg.Pool, database_url: str
 ) -> None:
@@ -760,7 +808,15 @@ async def test_an_api_key_guards_every_v1_route_but_not_the_probes(
         )
         assert response.status_code == 201
         assert (await client.get("/v1/banks/b/stats", headers=ok)).status_code == 200
-        for open_path in ("/healthz", "/readyz", "/metrics", "/openapi.json", "/docs"):
+        for open_path in (
+            "/healthz",
+            "/readyz",
+            "/metrics",
+            "/openapi.json",
+            "/docs",
+            "/redoc",
+            "/static/swagger-ui.css",
+        ):
             assert (await client.get(open_path)).status_code == 200, open_path
 
 
@@ -800,7 +856,7 @@ MALFORMED: list[tuple[str, str, dict[str, Any], int]] = [
     ("POST", "/v1/banks/b/memories", {"content": b'"\\ud800"', "headers": JSON}, 400),
     ("POST", "/v1/banks/b/memories", {"content": b'{"memories": [NaN]}', "headers": JSON}, 400),
     ("POST", "/v1/banks/b/memories", {"content": b"[" * 5000, "headers": JSON}, 400),
-    ("POST", "/v1/banks/b/memories", {"content": b'{"memories": []}'}, 422),  # no content type
+    ("POST", "/v1/banks/b/memories", {"content": b'{"memories": []}'}, 415),  # no content type
     ("POST", "/v1/banks/b/memories", {"json": None}, 422),
     ("POST", "/v1/banks/b/memories", {}, 422),
     ("POST", "/v1/banks/b/memories", {"json": {"memories": "x"}}, 422),
