@@ -1162,6 +1162,14 @@ async def _finish(
                     f"for the first {queue.MAX_FREE_RECLAIMS} takeovers",
                 )
                 return OperationEnd("unrecorded", summary, _describe(exc))
+            if delay == END_WRITE_RETRY_S[0]:
+                log.warning(
+                    "operation_end_retrying",
+                    operation_id=str(lease.operation_id),
+                    attempt=lease.attempt,
+                    error=repr(exc),
+                    until_s=settings.lease_s,
+                )
             await asyncio.sleep(delay)
             delay = min(delay * 2, max_delay)
 
