@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import builtins
 from typing import Any
-from urllib.parse import urlsplit
 
 import asyncpg
 import pytest
@@ -21,7 +20,14 @@ from consolidation.engine import run_operation
 from consolidation.fake_llm import FakeLLMServer
 from consolidation.settings import Settings, load_settings
 from consolidation.worker import Worker
-from tests.integration.engine_helpers import grew, http_llm, ingest, topics, wait_for
+from tests.integration.engine_helpers import (
+    grew,
+    http_llm,
+    ingest,
+    set_read_only,
+    topics,
+    wait_for,
+)
 from tests.invariants import assert_consistent
 
 TERMINATE_OTHERS = """
@@ -427,16 +433,6 @@ async def test_outages_past_the_lease_spend_no_attempt_and_the_log_says_what_hap
     assert not [e for e in logs if e["log_level"] in ("error", "critical")]
     census = await assert_consistent(pool)
     assert census.consolidated == 40 and census.observations == 4
-
-
-async def set_read_only(pool: asyncpg.Pool, database_url: str, on: bool) -> None:
-    """Make the test database refuse writes in every new session (what a failover to a replica
-    looks like), or take it back; from a session that can still write."""
-    name = urlsplit(database_url).path.lstrip("/")
-    async with pool.acquire() as conn:
-        await conn.execute("SET default_transaction_read_only = off")
-        value = "on" if on else "off"
-        await conn.execute(f'ALTER DATABASE "{name}" SET default_transaction_read_only = {value}')
 
 
 async def test_a_database_turned_read_only_hands_the_operation_back_as_an_interruption(
