@@ -529,8 +529,9 @@ SET status = CASE WHEN EXISTS (SELECT 1 FROM newer) THEN $7 ELSE 'pending' END,
                  THEN $6 || ' (superseded by pending operation '
                       || (SELECT id FROM newer)::text || ')'
                  ELSE $6 END,
-    last_error = CASE WHEN $6 = '' THEN o.last_error ELSE $6 END,
-    last_error_at = CASE WHEN $6 = '' THEN o.last_error_at ELSE now() END,
+    -- A shutdown's hand-back is no error: the one before it stays visible.
+    last_error = CASE WHEN $6 = '' OR ($4 AND NOT $9) THEN o.last_error ELSE $6 END,
+    last_error_at = CASE WHEN $6 = '' OR ($4 AND NOT $9) THEN o.last_error_at ELSE now() END,
     result = $8,
     worker_id = NULL, lease_expires_at = NULL,
     finished_at = CASE WHEN EXISTS (SELECT 1 FROM newer) THEN now() END

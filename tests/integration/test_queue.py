@@ -148,6 +148,13 @@ async def test_the_last_error_stays_while_the_next_attempt_waits_and_runs(
     await pool.execute("UPDATE operations SET run_after = now()")
     again = await queue.claim(pool, "w", 30)
     assert again is not None and again.attempt == 2
+    # A shutdown's hand-back is no error: the error before it stays.
+    await queue.release(
+        pool, again, delay_s=0, error="interrupted by shutdown", refund_attempt=True
+    )
+    assert (await queue.get_operation(pool, lease.operation_id)).last_error == "boom"
+    again = await queue.claim(pool, "w", 30)
+    assert again is not None and again.attempt == 2
     running = await queue.get_operation(pool, lease.operation_id)
     assert running.error is None and running.last_error == "boom"
     assert running.last_error_at == waiting.last_error_at
