@@ -86,9 +86,8 @@ __all__ = ["MAX_BODY_BYTES", "create_app"]
 log = structlog.get_logger(__name__)
 
 READY_TIMEOUT_S = 2.0
-# What every write of the service needs from the session it gets: a pool connection opened
-# before a database was made read-only still writes, so a failover shows here once the pool
-# reconnects to the new server (as it does when the old one goes away).
+# Whether a session of the pool can write: a hot standby (a failover's old primary, or a replica
+# behind the address) is in recovery; a database set read-only gives read-only sessions.
 WRITABLE = "SELECT NOT pg_is_in_recovery() AND current_setting('transaction_read_only') = 'off'"
 
 
