@@ -233,7 +233,7 @@ def _operation_row(now: datetime, op: Operation) -> str:
                 f'applied stays; the rest of its memories stay pending." '
                 f'data-confirm-label="Cancel operation">Cancel</button>'
             )
-    error = f'<span title="{h(op.error)}">{h(_clip(op.error, 80))}</span>' if op.error else ""
+    error = _error_cell(now, op)
     return f"""<tr data-operation="{op.id}" data-status="{h(op.status)}">
 <td><code title="{op.id}">{short}</code>{scope}</td>
 <td><a href="{h(bank_url(op.bank_id))}">{h(op.bank_id)}</a></td>
@@ -245,6 +245,35 @@ def _operation_row(now: datetime, op: Operation) -> str:
 <td class="error-cell">{error}</td>
 <td class="actions">{action}</td>
 </tr>"""
+
+
+def _error_cell(now: datetime, op: Operation) -> str:
+    """The final error of an ended operation; while one is live, its latest attempt's error (kept
+    while the next attempt waits) and when a pending one's next attempt is due."""
+    if op.status in TERMINAL:
+        text = op.error
+        if not text:
+            return ""
+        return f'<span title="{h(text)}">{h(_clip(text, 80))}</span>'
+    parts = []
+    if op.last_error:
+        when = ""
+        if op.last_error_at is not None:
+            when = (
+                f' <time class="muted" datetime="{_iso(op.last_error_at)}">'
+                f"{_ago(now, op.last_error_at)}</time>"
+            )
+        parts.append(
+            f'<span class="last-error" title="{h(op.last_error)}">'
+            f"{h(_clip(op.last_error, 80))}</span>{when}"
+        )
+    if op.status == "pending" and op.run_after > now:
+        parts.append(
+            f'<div class="next-attempt muted">next attempt in '
+            f'<time datetime="{_iso(op.run_after)}" title="{_when(op.run_after)}">'
+            f"{_age((op.run_after - now).total_seconds())}</time></div>"
+        )
+    return "".join(parts)
 
 
 def _progress(op: Operation) -> str:
