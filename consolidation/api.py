@@ -119,7 +119,7 @@ def create_app(
     _add_v1_routes(v1, settings, pool)
     app.include_router(v1)
     _add_probe_routes(app, pool, contact, settings.lease_s)
-    add_ui_routes(app, pool, credentials)
+    add_ui_routes(app, pool, credentials, settings)
     return app
 
 

@@ -71,7 +71,7 @@ async def test_every_view_renders_database_text_escaped(
     client: httpx.AsyncClient, pool: asyncpg.Pool
 ) -> None:
     ids = await _seed(client, pool)
-    escaped = "&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt;"
+    escaped = "&lt;script&gt;alert(&#34;x&#34;)&lt;/script&gt;"  # markupsafe's entities
 
     banks = _assert_page(await client.get("/ui"))
     assert "&lt;i&gt;bank" in banks and 'href="/ui/banks/%3Ci%3Ebank"' in banks
