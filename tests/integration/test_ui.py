@@ -390,7 +390,8 @@ async def test_the_health_strip_counts_workers_by_their_leases_and_says_whose_re
         )
         page = _assert_page(await client.get("/ui"))
     strip = page[page.index('<section class="health"') : page.index("</section>")]
-    assert "1 holding 1 live lease" in strip and "1 lease expired" in strip
+    assert "1 operation running under the live leases of 1 worker" in strip
+    assert "1 lease expired" in strip
     assert "this process's requests only" in strip
     assert 'data-configured="yes"' in strip and "embed.internal:8000" in strip
     assert "pw" not in strip
