@@ -86,6 +86,10 @@ __all__ = ["MAX_BODY_BYTES", "create_app"]
 log = structlog.get_logger(__name__)
 
 READY_TIMEOUT_S = 2.0
+# What every write of the service needs from the session it gets: a pool connection opened
+# before a database was made read-only still writes, so a failover shows here once the pool
+# reconnects to the new server (as it does when the old one goes away).
+WRITABLE = "SELECT NOT pg_is_in_recovery() AND current_setting('transaction_read_only') = 'off'"
 
 
 def create_app(
@@ -402,13 +406,19 @@ def _add_probe_routes(
         summary="Readiness",
     )
     async def readyz() -> Response | StatusResponse:
-        """Ready when the database answers ``SELECT 1`` within 2 s."""
+        """Ready when the database answers within 2 s and can take writes (not read-only, not a
+        server in recovery: ingestion and submits would fail)."""
         try:
             async with asyncio.timeout(READY_TIMEOUT_S):
-                await pool.fetchval("SELECT 1")
+                writable = await pool.fetchval(WRITABLE)
         except Exception as exc:
             log.warning("readiness_failed", error=repr(exc))
             return database_unavailable()
+        if not writable:
+            log.warning("readiness_failed", error="the database cannot take writes")
+            return database_unavailable(
+                "the database cannot take writes (read-only, or a server in recovery); retry later"
+            )
         return StatusResponse(status="ready")
 
     @app.get(

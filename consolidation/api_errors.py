@@ -72,12 +72,16 @@ def error_response(
     )
 
 
-def database_unavailable() -> Response:
+# Seconds a client is asked to wait before retrying a request the database could not serve.
+DATABASE_RETRY_AFTER_S = 1
+
+
+def database_unavailable(message: str = "the database is unavailable; retry later") -> Response:
     return error_response(
         503,
         "database_unavailable",
-        "the database is unavailable; retry later",
-        headers={"Retry-After": "1"},
+        message,
+        headers={"Retry-After": str(DATABASE_RETRY_AFTER_S)},
     )
 
 
@@ -170,4 +174,4 @@ def _on_not_found(request: Request, exc: Exception) -> Response:
 
 def _on_database_down(request: Request, exc: Exception) -> Response:
     log.warning("database_unavailable", path=request.url.path, error=repr(exc))
-    return database_unavailable()
+    return database_unavailable(db.unavailable_reason(exc))

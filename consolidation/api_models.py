@@ -149,6 +149,12 @@ class OperationResponse(BaseModel):
     progress: dict[str, Any]
     result: dict[str, Any] | None
     error: str | None
+    last_error: str | None = Field(
+        description="The latest attempt's error (or why it was handed back); kept while the "
+        "next attempt waits and runs."
+    )
+    last_error_at: datetime | None = Field(description="When last_error happened.")
+    run_after: datetime = Field(description="When a pending operation may start its next attempt.")
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None

@@ -28,16 +28,41 @@ from consolidation.settings import Settings
 
 log = structlog.get_logger(__name__)
 
-# Errors that mean "the database cannot be reached right now", not "this request or operation is
-# wrong": the API answers 503, and an operation is handed back without spending an attempt.
+# Errors that mean "the database cannot be reached or cannot take writes right now", not "this
+# request or operation is wrong": the API answers 503 with Retry-After, and an operation is handed
+# back without spending an attempt.
 DATABASE_DOWN: tuple[type[Exception], ...] = (
     OSError,  # refused, unreachable, DNS, TimeoutError (a client-side statement timeout)
-    asyncpg.PostgresConnectionError,  # includes a session that was terminated
+    asyncpg.PostgresConnectionError,  # 08xxx, includes a session that was terminated
     asyncpg.InterfaceError,  # includes "pool is closing"
     asyncpg.exceptions.InternalClientError,  # a pooled connection the server closed
-    asyncpg.exceptions.OperatorInterventionError,  # shutdown, cannot connect now, timeouts
-    asyncpg.exceptions.InsufficientResourcesError,  # too many connections
+    # 57xxx: admin shutdown (57P01), crash shutdown (57P02), cannot connect now: starting up or
+    # in recovery (57P03), statement timeouts (57014)
+    asyncpg.exceptions.OperatorInterventionError,
+    asyncpg.exceptions.InsufficientResourcesError,  # 53xxx: too many connections (53300), disk full
+    # 25006: writes refused by a read-only server or session (a hot standby after a failover,
+    # default_transaction_read_only)
+    asyncpg.exceptions.ReadOnlySQLTransactionError,
+    # 25P03: the session sat in a transaction past idle_in_transaction_session_timeout (our own
+    # statement bound: the client stalled or the network held its packets) and was ended
+    asyncpg.exceptions.IdleInTransactionSessionTimeoutError,
 )
+
+
+def unavailable_reason(exc: BaseException) -> str:
+    """Why the database refused, in a few words an API client or operator can act on."""
+    if isinstance(exc, asyncpg.exceptions.ReadOnlySQLTransactionError):
+        return "the database is read-only (a replica, or writes switched off); retry later"
+    if isinstance(exc, asyncpg.exceptions.TooManyConnectionsError):
+        return "the database has too many connections; retry later"
+    if isinstance(exc, asyncpg.exceptions.CannotConnectNowError):
+        return "the database is starting up, shutting down or in recovery; retry later"
+    if isinstance(
+        exc, asyncpg.exceptions.AdminShutdownError | asyncpg.exceptions.CrashShutdownError
+    ):
+        return "the database is shutting down; retry later"
+    return "the database is unavailable; retry later"
+
 
 # Arbitrary constant: replicas starting together serialise their migrations on it.
 MIGRATION_LOCK_KEY = 0x636F6E73  # "cons"

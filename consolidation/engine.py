@@ -1120,11 +1120,12 @@ async def run_operation(
     return end
 
 
-# An attempt that ends because the database was unreachable (a restart, a dropped or terminated
-# session, too many connections) is handed back without spending one of max_attempts, at most
-# this many times per operation; past that it spends attempts like any other error, so an
-# operation whose database keeps failing still ends (docs/reliability.md).
-MAX_INTERRUPTIONS = 20
+# An attempt that ends because the database was unavailable (a restart, a dropped or terminated
+# session, too many connections, read-only) is handed back without spending one of max_attempts,
+# at most this many times per operation (takeovers after an expired lease included); past that it
+# spends attempts like any other error, so an operation whose database keeps failing still ends
+# (docs/reliability.md).
+MAX_INTERRUPTIONS = queue.MAX_INTERRUPTIONS
 MAX_INTERRUPTION_DELAY_S = 300.0
 # The final status write is retried while the database is unreachable, for at most one lease:
 # after that the lease has run out and another worker reclaims the operation anyway.
@@ -1156,10 +1157,19 @@ async def _finish(
                     operation_id=str(lease.operation_id),
                     attempt=lease.attempt,
                     error=repr(exc),
-                    hint="the database stayed unreachable until the lease ran out; a worker "
-                    "reclaims the operation once it is back",
+                    hint="the database stayed unavailable until the lease ran out; a worker "
+                    "takes the operation over once it is back, without spending an attempt "
+                    f"for the first {queue.MAX_FREE_RECLAIMS} takeovers",
                 )
                 return OperationEnd("unrecorded", summary, _describe(exc))
+            if delay == END_WRITE_RETRY_S[0]:
+                log.warning(
+                    "operation_end_retrying",
+                    operation_id=str(lease.operation_id),
+                    attempt=lease.attempt,
+                    error=repr(exc),
+                    until_s=settings.lease_s,
+                )
             await asyncio.sleep(delay)
             delay = min(delay * 2, max_delay)
 
@@ -1205,14 +1215,9 @@ async def _record_end(
         return OperationEnd(status, summary, "interrupted by shutdown")
     message = _describe(error)
     if isinstance(error, db.DATABASE_DOWN) and lease.interruptions < MAX_INTERRUPTIONS:
-        message = f"the database was unreachable ({message}); retried without spending an attempt"
-        log.warning(
-            "operation_interrupted",
-            operation_id=str(lease.operation_id),
-            bank_id=lease.bank_id,
-            attempt=lease.attempt,
-            interruptions=lease.interruptions + 1,
-            error=message,
+        message = (
+            f"the database was unavailable ({message}); handed back without spending an attempt "
+            f"(interruption {lease.interruptions + 1} of at most {MAX_INTERRUPTIONS})"
         )
         status = await queue.release(
             pool,
@@ -1225,11 +1230,28 @@ async def _record_end(
             interrupted=True,
             result=result,
         )
+        # Logged once the hand-back is stored: when it never gets through, _finish says so.
+        log.warning(
+            "operation_interrupted",
+            operation_id=str(lease.operation_id),
+            bank_id=lease.bank_id,
+            attempt=lease.attempt,
+            interruptions=lease.interruptions + 1,
+            status=status,
+            error=message,
+        )
         return OperationEnd(status, summary, message)
-    if isinstance(error, LLMConfigError) or lease.attempt >= lease.max_attempts:
+    of = f"attempt {lease.attempt} of {lease.max_attempts}"
+    if isinstance(error, LLMConfigError):
+        message = f"{message} (not retried: a configuration error; {of})"
+        await queue.finish(pool, lease, "failed", result=result, error=message)
+        return OperationEnd("failed", summary, message)
+    if lease.attempt >= lease.max_attempts:
+        message = f"{message}; no attempts left ({of})"
         await queue.finish(pool, lease, "failed", result=result, error=message)
         return OperationEnd("failed", summary, message)
     delay = settings.retry_backoff_s * 2 ** (lease.attempt - 1)
+    message = f"{message}; retried in {delay:g} s ({of})"
     status = await queue.release(
         pool, lease, delay_s=delay, error=message, refund_attempt=False, result=result
     )

@@ -415,8 +415,8 @@ class Endpoint:
         label = self.route.label
         return self.route.exhausted(
             f"{label} endpoint POST {self.url} still failing after {attempts} attempt(s) in "
-            f"{budget.elapsed():.1f}s, {spent} (last: {exc.reason}): the operation will be "
-            f"retried later; check that the {label} server is up and not overloaded, or "
+            f"{budget.elapsed():.1f}s, {spent} (last: {exc.reason}): check that "
+            f"the {label} server is up and not overloaded, or "
             "raise CONSOLIDATION_LLM_TIMEOUT_S / CONSOLIDATION_LLM_MAX_RETRIES / "
             "CONSOLIDATION_LLM_RETRY_BUDGET_S",
             attempts=attempts,

@@ -26,6 +26,16 @@ TERMINAL = frozenset({"completed", "failed", "cancelled"})
 # What an operation does: consolidate pending memories, or forget memories asked to be forgotten.
 CONSOLIDATE = "consolidate"
 FORGET = "forget"
+# A takeover after an expired lease cannot tell a worker that died of the operation's own work
+# (killed for its memory, a crash) from one that lost its database past the lease (an outage, a
+# read-only spell, a partition) or was restarted: the first MAX_FREE_RECLAIMS of an operation are
+# taken to be the latter and spend no attempt; later ones do, so an operation that keeps killing
+# its worker still ends (docs/reliability.md).
+MAX_FREE_RECLAIMS = 3
+# An attempt that saw the database unavailable is handed back without spending an attempt at most
+# this many times (reclaims that spent none included); past that it spends attempts like any error.
+MAX_INTERRUPTIONS = 20
+
 # Forgetting goes before any consolidation (users' priorities are within ±1000): a claim takes it
 # first, and a running consolidation of its bank yields to it at the end of its slice.
 FORGET_PRIORITY = 10_000
@@ -41,11 +51,15 @@ class Lease:
     attempt: int
     scope_filter: tuple[Scope, ...] | None
     max_attempts: int
-    interruptions: int = 0  # earlier attempts handed back because the database was unreachable
+    # Earlier attempts handed back without spending an attempt because the database was
+    # unavailable, or taken over after their lease expired (see MAX_FREE_RECLAIMS).
+    interruptions: int = 0
     kind: str = CONSOLIDATE
     # The result stored when an earlier slice of this operation yielded its slot (fairness): this
     # attempt continues it, so the operation reports one result until its bank is done.
     resumed: Mapping[str, Any] | None = None
+    # This attempt took the operation over from a worker whose lease had expired.
+    reclaimed: bool = False
 
 
 @dataclass(frozen=True)
@@ -68,6 +82,10 @@ class Operation:
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    run_after: datetime
+    # The latest attempt's error (or why it was handed back); kept while the next one waits.
+    last_error: str | None
+    last_error_at: datetime | None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -79,6 +97,9 @@ class Operation:
             "progress": self.progress,
             "result": self.result,
             "error": self.error,
+            "last_error": self.last_error,
+            "last_error_at": _iso(self.last_error_at),
+            "run_after": _iso(self.run_after),
             "created_at": _iso(self.created_at),
             "started_at": _iso(self.started_at),
             "finished_at": _iso(self.finished_at),
@@ -106,12 +127,14 @@ def _lease_from_row(row: asyncpg.Record) -> Lease:
         interruptions=row["interruptions"],
         kind=row["kind"],
         resumed=result if isinstance(result, dict) and result.get("slices") else None,
+        reclaimed=row.get("reclaimed", False),
     )
 
 
 OPERATION_COLUMNS = """
 id, bank_id, kind, status, scope_filter, priority, attempt, max_attempts, worker_id, progress, result,
-error, cancel_requested_at, created_at, started_at, finished_at
+error, cancel_requested_at, created_at, started_at, finished_at, run_after, last_error,
+last_error_at
 """
 
 # --- submit ---------------------------------------------------------------------------------
@@ -254,12 +277,26 @@ async def start_foreground(
 
 # --- claim ----------------------------------------------------------------------------------
 
-# Pending operations that are due, and running ones whose lease expired (their worker died).
-# SKIP LOCKED lets replicas claim side by side; the unique index on running operations makes
-# a second running operation for a bank impossible even if two claims raced.
-CLAIM = """
+# A running operation whose lease expired and whose takeover would have to spend an attempt it
+# does not have (see MAX_FREE_RECLAIMS).
+# ``{free_reclaims}`` and ``{free_interruptions}`` name the parameters holding the bounds.
+_RECLAIM_EXHAUSTED = """
+o.status = 'running' AND o.lease_expires_at < now()
+AND (o.reclaims >= {free_reclaims} OR o.interruptions >= {free_interruptions})
+AND o.attempt >= o.max_attempts
+"""
+
+# Pending operations that are due, and running ones whose lease expired (their worker died or
+# lost its database). SKIP LOCKED lets replicas claim side by side; the unique index on running
+# operations makes a second running operation for a bank impossible even if two claims raced.
+#
+# A pending operation starts its next attempt. A takeover keeps the attempt number while it is
+# free (see MAX_FREE_RECLAIMS): the fence (id, worker_id, attempt) still changes, because the
+# expired owner is another worker, or this worker once it has stopped running it (``$3``).
+CLAIM = f"""
 WITH candidate AS (
-    SELECT o.id
+    SELECT o.id, o.status AS was,
+           o.status = 'running' AND o.reclaims < $4 AND o.interruptions < $5 AS free
     FROM operations o
     WHERE ((o.status = 'pending' AND o.run_after <= now())
            OR (o.status = 'running' AND o.lease_expires_at < now()))
@@ -267,6 +304,8 @@ WITH candidate AS (
       -- unreachable past it) but its next heartbeat renews it; reclaiming it would run two
       -- attempts side by side in one worker.
       AND o.id <> ALL($3::uuid[])
+      -- Not one with no attempt left to take over with: end_exhausted_reclaims ends it.
+      AND NOT ({_RECLAIM_EXHAUSTED.format(free_reclaims="$4", free_interruptions="$5")})
       -- A bank with a running operation (live or expired) gets no second one; an expired one
       -- is itself a candidate, so it is reclaimed before its bank's pending work is started.
       AND NOT EXISTS (
@@ -279,14 +318,24 @@ WITH candidate AS (
 UPDATE operations o
 SET status = 'running',
     worker_id = $1,
-    attempt = o.attempt + 1,
+    attempt = o.attempt + CASE WHEN candidate.free THEN 0 ELSE 1 END,
+    reclaims = o.reclaims + CASE WHEN candidate.was = 'running' THEN 1 ELSE 0 END,
+    interruptions = o.interruptions + CASE WHEN candidate.free THEN 1 ELSE 0 END,
+    last_error = CASE WHEN candidate.was = 'running'
+                      THEN 'its worker ' || o.worker_id || ' stopped renewing the lease (it '
+                           || 'died, or lost the database past the lease); taken over by '
+                           || $1 || CASE WHEN candidate.free
+                                         THEN ' without spending an attempt'
+                                         ELSE ', spending an attempt' END
+                      ELSE o.last_error END,
+    last_error_at = CASE WHEN candidate.was = 'running' THEN now() ELSE o.last_error_at END,
     lease_expires_at = now() + make_interval(secs => $2),
     started_at = COALESCE(o.started_at, now()),
     error = NULL
 FROM candidate
 WHERE o.id = candidate.id
 RETURNING o.id, o.bank_id, o.worker_id, o.attempt, o.scope_filter, o.max_attempts, o.status,
-          o.interruptions, o.kind, o.result
+          o.interruptions, o.kind, o.result, candidate.was = 'running' AS reclaimed
 """
 
 
@@ -300,13 +349,57 @@ async def claim(
     the caller is still running); None when there is none."""
     for _ in range(3):
         try:
-            row = await pool.fetchrow(CLAIM, worker_id, lease_s, list(running))
+            row = await pool.fetchrow(
+                CLAIM, worker_id, lease_s, list(running), MAX_FREE_RECLAIMS, MAX_INTERRUPTIONS
+            )
         except asyncpg.UniqueViolationError:
             # Another worker started a running operation on the same bank between our
             # candidate scan and the update; the index kept the promise, try another.
             continue
         return None if row is None else _lease_from_row(row)
     return None
+
+
+END_EXHAUSTED = f"""
+WITH exhausted AS (
+    SELECT o.id,
+           'its worker ' || o.worker_id || ' stopped renewing the lease (it died, or lost the '
+           || 'database past the lease) once more after ' || o.reclaims::text
+           || ' takeovers and ' || o.interruptions::text || ' interruptions; no attempts left ('
+           || o.attempt::text || ' of ' || o.max_attempts::text || ')' AS message
+    FROM operations o
+    WHERE {_RECLAIM_EXHAUSTED.format(free_reclaims="$2", free_interruptions="$3")}
+      AND o.id <> ALL($1::uuid[])
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE operations o
+SET status = 'failed', finished_at = now(), lease_expires_at = NULL,
+    reclaims = o.reclaims + 1,
+    error = exhausted.message, last_error = exhausted.message, last_error_at = now()
+FROM exhausted
+WHERE o.id = exhausted.id
+RETURNING o.id, o.bank_id, o.error
+"""
+
+
+@dataclass(frozen=True)
+class Exhausted:
+    """An operation ended ``failed`` because taking it over would have spent an attempt it did
+    not have."""
+
+    operation_id: uuid.UUID
+    bank_id: str
+    error: str
+
+
+async def end_exhausted_reclaims(
+    pool: asyncpg.Pool, running: Sequence[uuid.UUID] = ()
+) -> list[Exhausted]:
+    """End ``failed`` every expired operation (except those in ``running``, which the caller is
+    still running) that has used its free takeovers (or interruptions) and all its attempts;
+    :func:`claim` never takes those."""
+    rows = await pool.fetch(END_EXHAUSTED, list(running), MAX_FREE_RECLAIMS, MAX_INTERRUPTIONS)
+    return [Exhausted(r["id"], r["bank_id"], r["error"]) for r in rows]
 
 
 # A worker that stopped renewing its lease may be frozen in the middle of a transaction (between
@@ -390,7 +483,9 @@ async def record_progress(
 
 FINISH = f"""
 UPDATE operations
-SET status = $4, result = $5, error = $6, finished_at = now(), lease_expires_at = NULL
+SET status = $4, result = $5, error = $6, finished_at = now(), lease_expires_at = NULL,
+    last_error = CASE WHEN $4 = 'failed' THEN $6 ELSE last_error END,
+    last_error_at = CASE WHEN $4 = 'failed' THEN now() ELSE last_error_at END
 WHERE {FENCE}
 RETURNING id
 """
@@ -434,6 +529,8 @@ SET status = CASE WHEN EXISTS (SELECT 1 FROM newer) THEN $7 ELSE 'pending' END,
                  THEN $6 || ' (superseded by pending operation '
                       || (SELECT id FROM newer)::text || ')'
                  ELSE $6 END,
+    last_error = CASE WHEN $6 = '' THEN o.last_error ELSE $6 END,
+    last_error_at = CASE WHEN $6 = '' THEN o.last_error_at ELSE now() END,
     result = $8,
     worker_id = NULL, lease_expires_at = NULL,
     finished_at = CASE WHEN EXISTS (SELECT 1 FROM newer) THEN now() END

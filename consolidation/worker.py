@@ -165,6 +165,7 @@ class Worker:
     async def _fill_slots(self) -> None:
         if len(self.slots) < self.settings.worker_concurrency:
             await self._fence_stalled_workers()
+            await self._end_exhausted()
         while len(self.slots) < self.settings.worker_concurrency:
             try:
                 lease = await queue.claim(
@@ -190,6 +191,21 @@ class Worker:
         for worker_id in fenced:
             self.log.warning("stalled_worker_fenced", stalled_worker_id=worker_id)
 
+    async def _end_exhausted(self) -> None:
+        try:
+            ended = await queue.end_exhausted_reclaims(self.pool, list(self.slots))
+        except Exception as exc:
+            self.log.warning("exhausted_check_failed", error=repr(exc))
+            return
+        for op in ended:
+            metrics.OPERATIONS.labels(status="failed").inc()
+            self.log.warning(
+                "operation_failed_unrenewed",
+                operation_id=str(op.operation_id),
+                bank_id=op.bank_id,
+                error=op.error,
+            )
+
     def _start(self, lease: queue.Lease) -> None:
         stop = StopSignal()
         task = asyncio.create_task(
@@ -211,6 +227,9 @@ class Worker:
             operation_id=str(lease.operation_id),
             bank_id=lease.bank_id,
             attempt=lease.attempt,
+            max_attempts=lease.max_attempts,
+            reclaimed=lease.reclaimed,
+            interruptions=lease.interruptions,
         )
         task.add_done_callback(functools.partial(self._finished, lease.operation_id))
 

@@ -1,10 +1,5 @@
-"""What the dashboard reads beyond store.py and queue.py: an operation's retry state, the fleet's
-workers, memory activity over time and observation search. Read-only SQL.
-
-Columns that not every schema version has (``last_error``, ``last_error_at``) are read through
-``to_jsonb(row)``, which yields NULL for a key the row does not have, so these queries work
-before and after the migration that adds them.
-"""
+"""What the dashboard reads beyond store.py and queue.py: an operation's lease, the fleet's
+workers and its last error, memory activity over time and observation search. Read-only SQL."""
 
 from __future__ import annotations
 
@@ -25,66 +20,41 @@ MAX_QUERY_CHARS = 200
 
 @dataclass(frozen=True)
 class OperationView:
-    """An operation with what explains where it stands: when its next attempt is due and what
-    its last attempt said."""
+    """An operation with what explains where it stands: its lease (read for one operation's
+    page) and the error to show."""
 
     op: Operation
-    run_after: datetime | None
-    lease_expires_at: datetime | None
-    last_error: str | None
-    last_error_at: datetime | None
+    lease_expires_at: datetime | None = None
 
     @property
     def error(self) -> str | None:
-        """The final error, else the last attempt's."""
-        return self.op.error or self.last_error
+        """An ended operation's final error; a live one's latest attempt's, kept while the next
+        waits or runs."""
+        if self.op.status in queue.TERMINAL:
+            return self.op.error
+        return self.op.last_error or self.op.error
+
+    @property
+    def error_at(self) -> datetime | None:
+        return None if self.op.status in queue.TERMINAL else self.op.last_error_at
 
     def waiting_for_retry(self, now: datetime) -> bool:
         """Pending after a failed attempt, its next attempt not yet due."""
-        return (
-            self.op.status == "pending"
-            and self.op.attempt > 0
-            and self.run_after is not None
-            and self.run_after > now
-        )
+        return self.op.status == "pending" and self.op.attempt > 0 and self.op.run_after > now
 
 
-RETRY_STATE = """
-SELECT id, run_after, lease_expires_at,
-       to_jsonb(o) ->> 'last_error' AS last_error,
-       (to_jsonb(o) ->> 'last_error_at')::timestamptz AS last_error_at
-FROM operations o
-WHERE id = ANY($1::uuid[])
-"""
-
-
-async def operation_views(
-    pool: asyncpg.Pool | asyncpg.Connection, operations: Sequence[Operation]
-) -> list[OperationView]:
-    """``operations`` in their order, each with its retry state (read in one statement)."""
-    if not operations:
-        return []
-    rows = await pool.fetch(RETRY_STATE, [op.id for op in operations])
-    by_id = {r["id"]: r for r in rows}
-    views = []
-    for op in operations:
-        r = by_id.get(op.id)
-        views.append(
-            OperationView(
-                op,
-                run_after=r["run_after"] if r else None,
-                lease_expires_at=r["lease_expires_at"] if r else None,
-                last_error=r["last_error"] if r else None,
-                last_error_at=r["last_error_at"] if r else None,
-            )
-        )
-    return views
+def operation_views(operations: Sequence[Operation]) -> list[OperationView]:
+    return [OperationView(op) for op in operations]
 
 
 async def operation_view(pool: asyncpg.Pool, operation_id: uuid.UUID) -> OperationView:
-    """One operation with its retry state; raises NotFound."""
+    """One operation with its lease; raises NotFound."""
     op = await queue.get_operation(pool, operation_id)
-    return (await operation_views(pool, [op]))[0]
+    lease = await pool.fetchval(
+        "SELECT lease_expires_at FROM operations WHERE id = $1 AND status = 'running'",
+        operation_id,
+    )
+    return OperationView(op, lease_expires_at=lease)
 
 
 # --- the fleet -----------------------------------------------------------------------------------
@@ -132,16 +102,16 @@ class LastError:
 # the partial index on live operations and the (status, created_at) index.
 LAST_ERROR = """
 WITH candidates AS (
-    (SELECT * FROM operations WHERE status IN ('pending', 'running'))
+    (SELECT id, bank_id, status, last_error, last_error_at, created_at FROM operations
+     WHERE status IN ('pending', 'running') AND last_error IS NOT NULL)
     UNION ALL
-    (SELECT * FROM operations WHERE status = 'failed' ORDER BY created_at DESC, id DESC LIMIT 20)
+    (SELECT id, bank_id, status, last_error, last_error_at, created_at FROM operations
+     WHERE status = 'failed' ORDER BY created_at DESC, id DESC LIMIT 20)
 )
-SELECT id, bank_id, status,
-       COALESCE(error, to_jsonb(c) ->> 'last_error') AS error,
-       COALESCE((to_jsonb(c) ->> 'last_error_at')::timestamptz, finished_at) AS at
-FROM candidates c
-WHERE COALESCE(error, to_jsonb(c) ->> 'last_error', '') <> ''
-ORDER BY at DESC NULLS LAST, created_at DESC
+SELECT id, bank_id, status, last_error AS error, last_error_at AS at
+FROM candidates
+WHERE last_error <> ''
+ORDER BY last_error_at DESC NULLS LAST, created_at DESC
 LIMIT 1
 """
 

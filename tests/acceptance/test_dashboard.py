@@ -303,16 +303,16 @@ async def test_the_dashboard_explains_a_bank_stuck_on_a_dead_llm_and_retries_a_f
                 driver.get(f"{base}/ui/operations")
                 row = f'tr[data-operation="{erin_op}"]'
                 note = wait(driver, lambda d: text(d, f"{row} .retry-note"), "erin's retry note")
-                assert note.startswith("attempt 2/5 due in"), note
-                error = text(driver, f"{row} .error-text") or ""
+                assert note.startswith("next attempt in") and note.endswith("(attempt 2/5)"), note
+                error = text(driver, f"{row} .last-error") or ""
                 assert error.startswith("LLMRetriesExhausted"), error
-                assert "503" in attribute(driver, f"{row} .error-text", "title")
+                assert "503" in attribute(driver, f"{row} .last-error", "title")
                 driver.save_screenshot(str(shots / "12-operations-retrying.png"))
 
                 click(driver, f"{row} td a[href^='/ui/operations/']", "erin's operation id")
                 wait(driver, lambda d: d.current_url.endswith(f"/ui/operations/{erin_op}"), "page")
                 stands = wait(driver, lambda d: text(d, "section.explain"), "where it stands")
-                assert "attempt 2/5 due in" in stands and "503" in stands
+                assert "next attempt in" in stands and "503" in stands
                 assert "(in " in (text(driver, '[data-field="run_after"]') or "")
                 driver.save_screenshot(str(shots / "13-operation-retrying.png"))
 

@@ -195,10 +195,11 @@ async def test_soak_journal_markers_and_observations_agree_after_cancels_and_a_k
         statuses = dict(await pool.fetch("SELECT status, count(*) FROM operations GROUP BY status"))
         print(f"soak: operations by status {statuses}")
         reclaimed = await pool.fetchrow(
-            "SELECT status, attempt FROM operations WHERE id = $1", interrupted
+            "SELECT status, attempt, reclaims FROM operations WHERE id = $1", interrupted
         )
         print(f"soak: the operation worker b was killed in ended {dict(reclaimed)}")
-        assert reclaimed["status"] == "cancelled" or reclaimed["attempt"] >= 2
+        # Taken over without spending an attempt (a killed worker says nothing of the operation).
+        assert reclaimed["status"] == "cancelled" or reclaimed["reclaims"] >= 1
         assert set(statuses) <= {"completed", "cancelled", "failed"}
         # An attempt may fail and be superseded by a newer pending operation; nothing else fails.
         failed = await pool.fetch(

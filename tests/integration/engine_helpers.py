@@ -6,6 +6,7 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 import asyncpg
 
@@ -113,3 +114,13 @@ def topics(count: int, per_topic: int) -> list[dict[str, Any]]:
         for t in range(count)
         for i in range(per_topic)
     ]
+
+
+async def set_read_only(pool: asyncpg.Pool, database_url: str, on: bool) -> None:
+    """Make the test database refuse writes in every new session (what a failover to a replica
+    looks like), or take it back; from a session that can still write."""
+    name = urlsplit(database_url).path.lstrip("/")
+    async with pool.acquire() as conn:
+        await conn.execute("SET default_transaction_read_only = off")
+        value = "on" if on else "off"
+        await conn.execute(f'ALTER DATABASE "{name}" SET default_transaction_read_only = {value}')

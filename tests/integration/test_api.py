@@ -14,6 +14,7 @@ from consolidation import db
 from consolidation.api import MAX_BODY_BYTES, create_app
 from consolidation.settings import load_settings
 from tests.integration.conftest import ClientFactory
+from tests.integration.engine_helpers import set_read_only
 
 
 @pytest.fixture
@@ -298,6 +299,9 @@ async def test_get_operation_reports_every_contract_key(client: httpx.AsyncClien
         "progress",
         "result",
         "error",
+        "last_error",  # the latest attempt's error, kept while the next one waits (#30)
+        "last_error_at",
+        "run_after",
         "created_at",
         "started_at",
         "finished_at",
@@ -692,6 +696,54 @@ async def test_an_unreachable_database_is_503_not_500(make_client: ClientFactory
             assert (await client.get("/healthz")).status_code == 200
     finally:
         await dead.close()
+
+
+async def test_a_database_that_cannot_take_writes_is_503_with_retry_after_until_it_can(
+    make_client: ClientFactory, pool: asyncpg.Pool, database_url: str
+) -> None:
+    """What a failover to a replica looks like (every new session read-only): ingestion and
+    submits answer 503 with the error shape and Retry-After (it used to be a 500), /readyz is 503;
+    once writes are back, 201 / 202 / 200 again."""
+    app_pool = await db.create_pool(database_url)
+    try:
+        async with make_client(on=app_pool, auto_consolidate=True) as client:
+            await ingest(client, "b", {"text": "before"})
+            await set_read_only(pool, database_url, True)
+            await app_pool.expire_connections()
+            memories = {"memories": [{"text": "during"}]}
+            for response in (
+                await client.post("/v1/banks/b/memories", json=memories),
+                await client.post("/v1/banks/b/consolidations", json={}),
+                await client.get("/readyz"),
+            ):
+                error = assert_error(response, 503, "database_unavailable")
+                assert response.headers["retry-after"] == "1"
+                if response.url.path != "/readyz":
+                    assert "read-only" in error["message"]
+            assert (await client.get("/healthz")).status_code == 200
+            assert (await client.get("/v1/banks/b/stats")).status_code == 200  # reads still work
+
+            await set_read_only(pool, database_url, False)
+            await app_pool.expire_connections()
+            await ingest(client, "b", {"text": "after"})
+            submitted = await client.post("/v1/banks/b/consolidations", json={})
+            assert submitted.status_code == 202, submitted.text
+            assert (await client.get("/readyz")).status_code == 200
+    finally:
+        await set_read_only(pool, database_url, False)
+        await app_pool.close()
+
+
+@pytest.mark.parametrize(
+    "sqlstate",
+    ["25006", "53300", "57P01", "57P02", "57P03", "25P03", "08006"],
+)
+async def test_every_way_a_database_refuses_for_now_is_classed_as_unavailable(
+    sqlstate: str,
+) -> None:
+    error = asyncpg.PostgresError.get_message_class_for_sqlstate(sqlstate)("refused")
+    assert isinstance(error, db.DATABASE_DOWN)
+    assert db.unavailable_reason(error).endswith("retry later")
 
 
 async def test_the_openapi_document_is_served(client: httpx.AsyncClient) -> None:

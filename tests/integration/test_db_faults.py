@@ -20,7 +20,14 @@ from consolidation.engine import run_operation
 from consolidation.fake_llm import FakeLLMServer
 from consolidation.settings import Settings, load_settings
 from consolidation.worker import Worker
-from tests.integration.engine_helpers import grew, http_llm, ingest, topics, wait_for
+from tests.integration.engine_helpers import (
+    grew,
+    http_llm,
+    ingest,
+    set_read_only,
+    topics,
+    wait_for,
+)
 from tests.invariants import assert_consistent
 
 TERMINATE_OTHERS = """
@@ -349,3 +356,127 @@ async def test_one_heartbeat_failing_on_a_broken_connection_does_not_lose_the_le
     pool: asyncpg.Pool, fake: FakeLLMServer, error: Exception
 ) -> None:
     await heartbeat_fault_keeps_the_lease(pool, fake, error)
+
+
+# --- outages past the lease, a read-only database (#30) ------------------------------------
+
+
+async def test_outages_past_the_lease_spend_no_attempt_and_the_log_says_what_happened(
+    database_url: str, pool: asyncpg.Pool, fake: FakeLLMServer
+) -> None:
+    """Two outages, each longer than the lease, under a worker, with max_attempts=2: each time
+    the attempt's end cannot be written, its lease runs out and the worker takes the operation
+    over when the database is back. No attempt is spent (it used to go 1 → 2 → 3), both are
+    counted, and no log line claims a hand-back that was never stored."""
+    from consolidation import db
+    from tests.proxy import TcpProxy
+
+    await ingest(pool, "b", topics(4, 10))
+    op = (await queue.submit(pool, "b", max_attempts=2)).operation
+    fake.control(latency_ms=50)
+    journal = "SELECT count(*) FROM consolidation_outcomes"
+    async with TcpProxy.in_front_of(database_url) as proxy:
+        url = proxy.url(database_url)
+        settings = load_settings(
+            database_url=url,
+            llm_base_url=fake.url,
+            lease_s=2,
+            poll_interval_s=0.05,
+            retry_backoff_s=0,
+            llm_batch_size=1,
+            group_parallelism=1,
+        )
+        worker_pool = await db.create_pool(url, timeouts=db.Timeouts.for_lease(2))
+        llm = http_llm(fake.url)
+        shutdown = asyncio.Event()
+        worker = Worker(settings, worker_pool, url, llm, worker_id="worker-under-test")
+        task = asyncio.create_task(worker.run(shutdown))
+        try:
+            with structlog.testing.capture_logs() as logs:
+                for outage in (1, 2):
+                    applied = await pool.fetchval(journal)
+                    await wait_for(lambda n=applied: grew(pool, journal, n), what="a pass")
+                    proxy.sever()
+                    await wait_for(lambda: not worker.slots, what="the attempt to give up")
+                    proxy.restore()
+                    await wait_for(
+                        lambda n=outage: pool.fetchval(
+                            "SELECT reclaims = $2 AND status = 'running' FROM operations "
+                            "WHERE id = $1",
+                            op.id,
+                            n,
+                        ),
+                        what=f"the takeover after outage {outage}",
+                    )
+                await wait_for(
+                    lambda: pool.fetchval(
+                        "SELECT status = 'completed' FROM operations WHERE id = $1", op.id
+                    ),
+                    what="the operation to complete",
+                )
+        finally:
+            shutdown.set()
+            await asyncio.gather(task, return_exceptions=True)
+            await llm.aclose()
+            await worker_pool.close()
+    row = await pool.fetchrow(
+        "SELECT attempt, interruptions, reclaims, last_error FROM operations WHERE id = $1", op.id
+    )
+    assert (row["attempt"], row["interruptions"], row["reclaims"]) == (1, 2, 2)
+    assert "without spending an attempt" in row["last_error"]
+    events = [e["event"] for e in logs]
+    assert events.count("operation_end_unrecorded") == 2
+    # A hand-back is logged only once stored; these were not (the database was down).
+    assert "operation_interrupted" not in events
+    claimed = [e for e in logs if e["event"] == "operation_claimed"]
+    assert [(e["attempt"], e["reclaimed"]) for e in claimed] == [(1, False), (1, True), (1, True)]
+    assert not [e for e in logs if e["log_level"] in ("error", "critical")]
+    census = await assert_consistent(pool)
+    assert census.consolidated == 40 and census.observations == 4
+
+
+async def test_a_database_turned_read_only_hands_the_operation_back_as_an_interruption(
+    database_url: str, pool: asyncpg.Pool, fake: FakeLLMServer
+) -> None:
+    from consolidation import db
+
+    await ingest(pool, "b", topics(3, 6))
+    op = (await queue.submit(pool, "b", max_attempts=1)).operation
+    engine_pool = await db.create_pool(database_url, application_name="engine-under-test")
+    llm = http_llm(fake.url)
+    fake.control(latency_ms=20)
+    settings = Settings(llm_batch_size=1, group_parallelism=1, retry_backoff_s=0, lease_s=30)
+    journal = "SELECT count(*) FROM consolidation_outcomes"
+    try:
+        with structlog.testing.capture_logs() as logs:
+            lease = await queue.claim(engine_pool, "w", 30)
+            assert lease is not None
+            run = asyncio.create_task(run_operation(engine_pool, lease, llm, settings))
+            await wait_for(lambda: grew(pool, journal, 0), what="a pass applied")
+            await set_read_only(pool, database_url, True)
+            await engine_pool.expire_connections()  # the next statements open read-only sessions
+            await wait_for(
+                lambda: any(e["event"] == "operation_end_retrying" for e in logs),
+                what="the end write to be refused",
+            )
+            await set_read_only(pool, database_url, False)
+            await engine_pool.expire_connections()
+            end = await run
+        assert end.status == "pending"
+        lease = await queue.claim(engine_pool, "w", 30)
+        assert lease is not None and lease.attempt == 1
+        assert (await run_operation(engine_pool, lease, llm, settings)).status == "completed"
+    finally:
+        await set_read_only(pool, database_url, False)
+        await llm.aclose()
+        await engine_pool.close()
+    row = await pool.fetchrow(
+        "SELECT attempt, interruptions, last_error FROM operations WHERE id = $1", op.id
+    )
+    assert (row["attempt"], row["interruptions"]) == (1, 1)
+    assert "ReadOnlySQLTransactionError" in row["last_error"]
+    interrupted = [e for e in logs if e["event"] == "operation_interrupted"]
+    assert len(interrupted) == 1 and interrupted[0]["log_level"] == "warning"
+    assert not [e for e in logs if e["log_level"] in ("error", "critical")]
+    census = await assert_consistent(pool)
+    assert census.consolidated == 18 and census.observations == 3

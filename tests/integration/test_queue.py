@@ -50,7 +50,8 @@ async def test_an_expired_lease_is_reclaimed_and_the_old_owner_is_fenced(
     assert await queue.claim(pool, "w2", 30) is None
     await expire(pool, old)
     new = await queue.claim(pool, "w2", 30)
-    assert new is not None and new.operation_id == old.operation_id and new.attempt == 2
+    assert new is not None and new.operation_id == old.operation_id and new.reclaimed
+    assert new.attempt == 1  # a takeover spends no attempt (up to MAX_FREE_RECLAIMS)
     for write in (
         queue.heartbeat(pool, old, 30),
         queue.record_progress(pool, old, {"x": 1}),
@@ -79,6 +80,80 @@ async def test_release_backs_off_and_a_refund_keeps_the_attempt(pool: asyncpg.Po
     assert again is not None and again.attempt == 2
     await queue.release(pool, again, delay_s=0, error="shutdown", refund_attempt=True)
     assert (await queue.get_operation(pool, again.operation_id)).attempt == 1
+
+
+async def test_takeovers_spend_no_attempt_until_their_bound_and_attempts_never_exceed_the_max(
+    pool: asyncpg.Pool,
+) -> None:
+    """An operation whose workers keep losing their lease (an outage past it, a crash loop): the
+    first MAX_FREE_RECLAIMS takeovers are free, later ones spend attempts, and with none left it
+    ends ``failed`` saying so instead of running attempt max_attempts + 1."""
+    op = (await queue.submit(pool, "b", max_attempts=2)).operation
+    lease = await queue.claim(pool, "w0", 30)
+    assert lease is not None
+    seen = [(lease.attempt, lease.reclaimed)]
+    free = queue.MAX_FREE_RECLAIMS
+    for n in range(1, free + 2):
+        await expire(pool, lease)
+        assert await queue.end_exhausted_reclaims(pool) == []
+        taken = await queue.claim(pool, f"w{n}", 30)
+        assert taken is not None
+        lease = taken
+        seen.append((lease.attempt, lease.reclaimed))
+    assert seen == [(1, False)] + [(1, True)] * free + [(2, True)]
+    row = await pool.fetchrow(
+        "SELECT attempt, reclaims, interruptions, status FROM operations WHERE id = $1", op.id
+    )
+    assert dict(row) == {
+        "attempt": 2,
+        "reclaims": free + 1,
+        "interruptions": free,
+        "status": "running",
+    }
+    # The next lapse has no attempt left to take over with: no claim runs it, the sweep ends it.
+    assert await queue.claim(pool, "w-next", 30) is None
+    await expire(pool, lease)
+    ended = await queue.end_exhausted_reclaims(pool)
+    assert [e.operation_id for e in ended] == [op.id]
+    final = await queue.get_operation(pool, op.id)
+    assert final.status == "failed" and final.attempt == 2
+    assert final.error is not None and "no attempts left (2 of 2)" in final.error
+    assert final.last_error == final.error and final.last_error_at is not None
+
+
+async def test_a_worker_never_ends_as_exhausted_an_operation_it_still_runs(
+    pool: asyncpg.Pool,
+) -> None:
+    await queue.submit(pool, "b", max_attempts=1)
+    lease = await queue.claim(pool, "w", 30)
+    assert lease is not None
+    await pool.execute("UPDATE operations SET reclaims = $1", queue.MAX_FREE_RECLAIMS)
+    await expire(pool, lease)
+    assert await queue.end_exhausted_reclaims(pool, [lease.operation_id]) == []
+    await queue.heartbeat(pool, lease, 30)  # still ours
+
+
+async def test_the_last_error_stays_while_the_next_attempt_waits_and_runs(
+    pool: asyncpg.Pool,
+) -> None:
+    await queue.submit(pool, "b", max_attempts=2)
+    lease = await queue.claim(pool, "w", 30)
+    assert lease is not None
+    await queue.release(pool, lease, delay_s=60, error="boom", refund_attempt=False)
+    waiting = await queue.get_operation(pool, lease.operation_id)
+    assert waiting.status == "pending" and waiting.last_error == "boom"
+    assert waiting.last_error_at is not None and waiting.run_after > waiting.last_error_at
+    body = waiting.to_json()
+    assert body["last_error"] == "boom" and body["last_error_at"] and body["run_after"]
+    await pool.execute("UPDATE operations SET run_after = now()")
+    again = await queue.claim(pool, "w", 30)
+    assert again is not None and again.attempt == 2
+    running = await queue.get_operation(pool, lease.operation_id)
+    assert running.error is None and running.last_error == "boom"
+    assert running.last_error_at == waiting.last_error_at
+    await queue.finish(pool, again, "completed", result={})
+    done = await queue.get_operation(pool, lease.operation_id)
+    assert done.error is None and done.last_error == "boom"
 
 
 async def test_a_retry_is_superseded_by_a_newer_pending_operation(pool: asyncpg.Pool) -> None:
@@ -125,7 +200,7 @@ async def test_a_worker_frozen_inside_a_transaction_is_fenced_so_its_work_can_be
         reclaimed = await wait_for(
             lambda: queue.claim(pool, "worker:healthy:2", 30), what="the reclaim"
         )
-        assert reclaimed.attempt == 2
+        assert reclaimed.attempt == 1 and reclaimed.reclaimed
     finally:
         frozen_pool.terminate()
 
