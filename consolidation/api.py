@@ -124,7 +124,7 @@ def create_app(
     app.include_router(v1)
     _add_probe_routes(app, pool, contact, settings.lease_s)
     add_docs_routes(app)
-    add_ui_routes(app, pool, credentials)
+    add_ui_routes(app, pool, credentials, settings)
     return app
 
 

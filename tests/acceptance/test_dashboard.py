@@ -13,6 +13,7 @@ import httpx
 import pytest
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
+from selenium.webdriver.support.select import Select
 
 from consolidation.fake_llm import POISON_MARKER, FakeLLMConfig, FakeLLMServer
 from tests.acceptance.browser import (
@@ -243,3 +244,146 @@ async def test_with_an_api_key_the_dashboard_asks_for_it_once_and_keeps_a_strict
         anonymous = await client.get("/v1/banks", headers={"Authorization": ""})
         assert anonymous.status_code == 401
         assert (await client.get("/v1/banks")).status_code == 200
+
+
+async def _operation(client: httpx.AsyncClient, operation_id: str) -> dict[str, Any]:
+    body: dict[str, Any] = (await client.get(f"/v1/operations/{operation_id}")).json()
+    return body
+
+
+async def test_the_dashboard_explains_a_bank_stuck_on_a_dead_llm_and_retries_a_failed_operation(
+    database_url: str, services: list[ServiceProcess], tmp_path: Path
+) -> None:
+    # A model that answers every request 503, and 401 to the passes of bank fay's memory.
+    dead = FakeLLMConfig(fail_rate=1.0, fail_when_contains="fay-key", fail_when_status=401)
+    with FakeLLMServer(dead) as llm:
+        service = ServiceProcess(
+            "svc",
+            tmp_path,
+            worker_env(database_url, llm.url, CONSOLIDATION_RETRY_BACKOFF_S="600"),
+        )
+        services.append(service)
+        base = await service.api_url()
+        shots = screenshots_dir(tmp_path)
+        async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+            await _ingest(client, "erin", ["Erin plays the cello", "Erin lives in Lyon"], "erin")
+            erin_op = await _consolidate(client, "erin")
+
+            async def erin_waits_to_retry() -> bool:
+                op = await _operation(client, erin_op)
+                return op["status"] == "pending" and op["attempt"] == 1
+
+            await wait_for(erin_waits_to_retry, timeout_s=60, what="erin's first attempt to fail")
+
+            await _ingest(client, "fay", ["Fay's token is fay-key"], "fay")
+            fay_op = await _consolidate(client, "fay")
+
+            async def fay_failed() -> bool:
+                return await _status(client, fay_op) == "failed"
+
+            await wait_for(fay_failed, timeout_s=60, what="fay's operation to fail")
+
+            with chromium(tmp_path / "profile") as driver:
+                # The health strip: this process's failing LLM requests and the last error.
+                driver.get(f"{base}/ui")
+                failing = wait(
+                    driver,
+                    lambda d: int(attribute(d, '[data-health="llm"]', "data-failing") or 0),
+                    "failing LLM requests in the health strip",
+                )
+                assert failing >= 1
+                assert "this process's requests only" in (text(driver, '[data-health="llm"]') or "")
+                last = text(driver, '[data-health="last-error"]') or ""
+                assert "401" in last or "503" in last, last
+                assert attribute(driver, '[data-health="embeddings"]', "data-configured") == "no"
+                assert find(driver, 'figure[data-chart="backlog"] svg polyline') is not None
+                driver.save_screenshot(str(shots / "11-health-strip.png"))
+
+                # erin's operation says when it tries again and why the last attempt failed.
+                driver.get(f"{base}/ui/operations")
+                row = f'tr[data-operation="{erin_op}"]'
+                note = wait(driver, lambda d: text(d, f"{row} .retry-note"), "erin's retry note")
+                assert note.startswith("next attempt in") and note.endswith("(attempt 2/5)"), note
+                error = text(driver, f"{row} .last-error") or ""
+                assert error.startswith("LLMRetriesExhausted"), error
+                assert "503" in attribute(driver, f"{row} .last-error", "title")
+                driver.save_screenshot(str(shots / "12-operations-retrying.png"))
+
+                click(driver, f"{row} td a[href^='/ui/operations/']", "erin's operation id")
+                wait(driver, lambda d: d.current_url.endswith(f"/ui/operations/{erin_op}"), "page")
+                stands = wait(driver, lambda d: text(d, "section.explain"), "where it stands")
+                assert "next attempt in" in stands and "503" in stands
+                assert "(in " in (text(driver, '[data-field="run_after"]') or "")
+                driver.save_screenshot(str(shots / "13-operation-retrying.png"))
+
+                # fay's failed operation: its PerfLog, its error, and a retry that enqueues anew.
+                driver.get(f"{base}/ui/operations/{fay_op}")
+                calls = wait(driver, lambda d: text(d, '[data-perf="llm_calls"]'), "the PerfLog")
+                assert int(calls) >= 1
+                assert "401" in (text(driver, "section.explain") or "")
+                driver.save_screenshot(str(shots / "14-operation-failed.png"))
+                click(driver, 'button[data-kind="retry"]', "the retry button")
+                _confirm(driver, shots, "15-retry-confirmation.png")
+                wait(
+                    driver,
+                    lambda d: "enqueued to retry" in (text(d, "#flash") or ""),
+                    "the retry message",
+                )
+            listed = (await client.get("/v1/operations", params={"bank_id": "fay"})).json()
+            assert len(listed["operations"]) == 2
+            assert listed["operations"][1]["operation_id"] == fay_op
+
+
+async def test_the_dashboard_charts_throughput_and_searches_observations(
+    pool: asyncpg.Pool,
+    database_url: str,
+    fake: FakeLLMServer,
+    services: list[ServiceProcess],
+    tmp_path: Path,
+) -> None:
+    service = ServiceProcess("svc", tmp_path, worker_env(database_url, fake.url))
+    services.append(service)
+    base = await service.api_url()
+    shots = screenshots_dir(tmp_path)
+    async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        await _ingest(
+            client,
+            "gus",
+            [
+                "Gus switched the billing service from Go to Rust",
+                "Gus runs the Postgres upgrade every spring",
+                "Gus prefers tea over coffee",
+            ],
+            "work",
+        )
+        await _ingest(client, "gus", ["Gus grows tomatoes on the balcony"], "home")
+        operation_id = await _consolidate(client, "gus")
+
+        async def completed() -> bool:
+            return await _status(client, operation_id) == "completed"
+
+        await wait_for(completed, timeout_s=60, what="gus's operation to complete")
+
+        with chromium(tmp_path / "profile") as driver:
+            driver.get(f"{base}/ui/banks/gus")
+            total = wait(
+                driver,
+                lambda d: int(attribute(d, 'figure[data-chart="throughput"]', "data-total") or 0),
+                "memories in the throughput chart",
+            )
+            assert total == 4
+            assert find(driver, 'figure[data-chart="throughput"] svg rect.bar') is not None
+            assert attribute(driver, 'figure[data-chart="backlog"]', "data-latest") == "0"
+            driver.save_screenshot(str(shots / "16-bank-charts.png"))
+
+            driver.get(f"{base}/ui/banks/gus/observations")
+            wait(driver, lambda d: find(d, "article.observation"), "the observations")
+            Select(driver.find_element(By.NAME, "scope")).select_by_value("work")
+            driver.find_element(By.NAME, "q").send_keys("postgres")
+            driver.find_element(By.CSS_SELECTOR, "form.filters button[type=submit]").click()
+            wait(driver, lambda d: "q=postgres" in d.current_url, "the search")
+            found = [e.text for e in driver.find_elements(By.CSS_SELECTOR, "article .text")]
+            assert len(found) >= 1 and all("postgres" in t.lower() for t in found), found
+            assert text(driver, "article .text mark") == "Postgres"
+            assert "tomatoes" not in (text(driver, "div.observations") or "")
+            driver.save_screenshot(str(shots / "17-observations-search.png"))

@@ -5,6 +5,7 @@ The browser flows (auto-refresh, confirmations, buttons) are in tests/acceptance
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -14,6 +15,8 @@ import asyncpg
 import httpx
 import pytest
 
+from consolidation import queue
+from consolidation.perf import PerfLog
 from tests.integration.conftest import ClientFactory
 
 SAME_ORIGIN = {"Origin": "http://test"}
@@ -71,7 +74,7 @@ async def test_every_view_renders_database_text_escaped(
     client: httpx.AsyncClient, pool: asyncpg.Pool
 ) -> None:
     ids = await _seed(client, pool)
-    escaped = "&lt;script&gt;alert(&quot;x&quot;)&lt;/script&gt;"
+    escaped = "&lt;script&gt;alert(&#34;x&#34;)&lt;/script&gt;"  # markupsafe's entities
 
     banks = _assert_page(await client.get("/ui"))
     assert "&lt;i&gt;bank" in banks and 'href="/ui/banks/%3Ci%3Ebank"' in banks
@@ -105,6 +108,8 @@ async def test_every_view_renders_database_text_escaped(
         ("/ui/banks/b?failed_cursor=x", 400),
         ("/ui/banks/b/observations?scope=a,,b", 422),
         ("/ui/banks/b/observations?cursor=x", 400),
+        ("/ui/operations/nope", 422),
+        (f"/ui/operations/{uuid.uuid4()}", 404),
     ],
 )
 async def test_a_page_that_cannot_be_shown_says_why_in_a_page(
@@ -230,3 +235,238 @@ async def test_without_an_api_key_the_dashboard_is_open(client: httpx.AsyncClien
     _assert_page(await client.get("/ui"))
     assert (await client.get("/ui/login")).headers["location"] == "/ui"
     assert "Sign out" not in (await client.get("/ui")).text
+
+
+# --- operations: scopes, retries, the operation page ------------------------------------------
+
+
+async def _claimed(pool: asyncpg.Pool, bank: str, worker: str = "worker:test:1") -> queue.Lease:
+    lease = await queue.claim(pool, worker, 30)
+    assert lease is not None and lease.bank_id == bank
+    return lease
+
+
+async def test_a_scoped_operation_shows_its_scopes_as_tags(client: httpx.AsyncClient) -> None:
+    await client.post("/v1/banks/b/memories", json={"memories": [{"text": "x", "tags": ["p"]}]})
+    response = await client.post(
+        "/v1/banks/b/consolidations", json={"scopes": [["proj", "<b>x</b>"], []]}
+    )
+    operation_id = response.json()["operation_id"]
+    for path in ("/ui/operations", "/ui/banks/b", f"/ui/operations/{operation_id}"):
+        page = _assert_page(await client.get(path))
+        assert '<span class="tag">proj</span>' in page, path
+        assert '<span class="tag">&lt;b&gt;x&lt;/b&gt;</span>' in page, path
+        assert '<span class="tag shared">shared</span>' in page, path
+        assert "&lt;span" not in page, path
+
+
+async def test_an_operation_waiting_to_retry_shows_the_last_error_and_when_it_is_due(
+    client: httpx.AsyncClient, pool: asyncpg.Pool
+) -> None:
+    await client.post("/v1/banks/b/memories", json={"memories": [{"text": "x"}]})
+    submitted = await client.post("/v1/banks/b/consolidations")
+    operation_id = submitted.json()["operation_id"]
+    lease = await _claimed(pool, "b")
+    error = "LLM unreachable: Cannot connect to host 127.0.0.1:9 <refused>"
+    await queue.release(pool, lease, delay_s=600, error=error, refund_attempt=False)
+
+    page = _assert_page(await client.get("/ui/operations"))
+    row = _row(page, operation_id)
+    assert 'data-status="pending"' in row
+    note = re.sub(r"<[^>]+>", "", row)
+    assert re.search(r"next attempt in (9|10) min \(attempt 2/5\)", note), note
+    assert "LLM unreachable: Cannot connect to host 127.0.0.1:9 &lt;refused&gt;" in row
+
+    detail = _assert_page(await client.get(f"/ui/operations/{operation_id}"))
+    assert "Where it stands" in detail and "&lt;refused&gt;" in detail
+    assert 'data-field="run_after"><time datetime="' in detail
+
+    health = _assert_page(await client.get("/ui"))
+    assert 'data-health="last-error"' in health and "&lt;refused&gt;" in health
+
+
+async def test_the_last_attempts_error_shows_while_the_next_attempt_runs(
+    client: httpx.AsyncClient, pool: asyncpg.Pool
+) -> None:
+    await client.post("/v1/banks/b/memories", json={"memories": [{"text": "x"}]})
+    operation_id = (await client.post("/v1/banks/b/consolidations")).json()["operation_id"]
+    lease = await _claimed(pool, "b")
+    await queue.release(pool, lease, delay_s=0, error="HTTP 503 from the LLM", refund_attempt=False)
+    await pool.execute(
+        "UPDATE operations SET last_error_at = now() - interval '2 minutes' WHERE id = $1",
+        uuid.UUID(operation_id),
+    )
+    await _claimed(pool, "b")  # the second attempt: the claim clears `error`, not `last_error`
+
+    row = _row(_assert_page(await client.get("/ui/operations")), operation_id)
+    assert 'data-status="running"' in row
+    assert "attempt 2/5 running; the previous one failed:" in row
+    assert "HTTP 503 from the LLM" in row and "2 min ago" in row
+    detail = _assert_page(await client.get(f"/ui/operations/{operation_id}"))
+    assert "HTTP 503 from the LLM" in detail and "expires in" in detail
+
+
+async def test_the_operation_page_shows_the_perflog_and_offers_a_retry_when_failed(
+    client: httpx.AsyncClient, pool: asyncpg.Pool
+) -> None:
+    await client.post("/v1/banks/b/memories", json={"memories": [{"text": "x", "tags": ["t"]}]})
+    submitted = await client.post("/v1/banks/b/consolidations", json={"scopes": [["t"]]})
+    operation_id = submitted.json()["operation_id"]
+    lease = await _claimed(pool, "b")
+    perf = PerfLog(memories=40, llm_calls=7, llm_repairs=2, splits=1, prompt_tokens=900)
+    perf.completion_tokens, perf.llm_s, perf.recall_s, perf.apply_s = 100, 12.5, 0.25, 75.0
+    await queue.finish(
+        pool,
+        lease,
+        "failed",
+        result={"perf": perf.to_dict(), "waves": 3, "processed": 40},
+        error="LLMConfigError: HTTP 401 from the LLM: check CONSOLIDATION_LLM_API_KEY",
+    )
+
+    page = _assert_page(await client.get(f"/ui/operations/{operation_id}"))
+    for key, shown in (
+        ("memories", "40"),
+        ("llm_calls", "7"),
+        ("llm_repairs", "2"),
+        ("splits", "1"),
+        ("tokens", "1000"),
+        ("llm_s", "12 s"),
+        ("recall_s", "0.2 s"),
+        ("apply_s", "1 min"),
+    ):
+        assert f'data-perf="{key}">{shown}</td>' in page, key
+    assert "waves 3 · processed 40" in page
+    assert "Why it failed" in page and "HTTP 401 from the LLM" in page
+    assert "data-refresh" not in page  # a finished operation does not change
+    retry = 'data-kind="retry" data-action="POST /v1/banks/b/consolidations"'
+    assert retry in page and 'data-body="{&#34;scopes&#34;: [[&#34;t&#34;]]}"' in page
+
+    # The button's request, as ui.js sends it, enqueues the same scoped consolidation.
+    again = await client.post("/v1/banks/b/consolidations", json={"scopes": [["t"]]})
+    assert again.status_code == 202 and again.json()["operation_id"] != operation_id
+    listed = _assert_page(await client.get("/ui/operations?status=failed"))
+    assert retry in _row(listed, operation_id)
+
+
+async def test_every_operation_id_links_to_its_page(client: httpx.AsyncClient) -> None:
+    await client.post("/v1/banks/b/memories", json={"memories": [{"text": "x"}]})
+    operation_id = (await client.post("/v1/banks/b/consolidations")).json()["operation_id"]
+    link = f'<a href="/ui/operations/{operation_id}">'
+    assert link in _assert_page(await client.get("/ui/operations"))
+    assert link in _assert_page(await client.get("/ui/banks/b"))
+    page = _assert_page(await client.get(link.split('"')[1]))
+    assert "No PerfLog yet" in page and 'data-refresh="2000"' in page
+
+
+def _row(page: str, operation_id: str) -> str:
+    start = page.index(f'<tr data-operation="{operation_id}"')
+    return page[start : page.index("</tr>", start)]
+
+
+# --- health and charts --------------------------------------------------------------------------
+
+
+async def test_the_health_strip_counts_workers_by_their_leases_and_says_whose_requests(
+    make_client: ClientFactory, pool: asyncpg.Pool
+) -> None:
+    async with make_client(
+        auto_consolidate=False, embeddings_base_url="http://user:pw@embed.internal:8000/v1"
+    ) as client:
+        for bank in ("a", "b"):
+            await client.post(f"/v1/banks/{bank}/memories", json={"memories": [{"text": "x"}]})
+            await client.post(f"/v1/banks/{bank}/consolidations")
+        await _claimed(pool, "a", "worker:host-1:10")
+        lease = await _claimed(pool, "b", "worker:host-2:20")
+        await pool.execute(
+            "UPDATE operations SET lease_expires_at = now() - interval '1 minute' WHERE id = $1",
+            lease.operation_id,
+        )
+        page = _assert_page(await client.get("/ui"))
+    strip = page[page.index('<section class="health"') : page.index("</section>")]
+    assert "1 operation running under the live leases of 1 worker" in strip
+    assert "1 lease expired" in strip
+    assert "this process's requests only" in strip
+    assert 'data-configured="yes"' in strip and "embed.internal:8000" in strip
+    assert "pw" not in strip
+    async with make_client(auto_consolidate=False) as client:
+        page = _assert_page(await client.get("/ui/operations"))
+    assert 'data-configured="no"' in page and "recall is full-text only" in page
+
+
+async def test_the_charts_show_memories_consolidated_per_minute_and_the_backlog(
+    client: httpx.AsyncClient, pool: asyncpg.Pool
+) -> None:
+    memories = [{"text": f"fact {i}"} for i in range(7)]
+    ids = (await client.post("/v1/banks/c/memories", json={"memories": memories})).json()["ids"]
+    await pool.execute(
+        "UPDATE memories SET consolidated_at = now() - interval '90 seconds'"
+        " WHERE id = ANY($1::uuid[])",
+        [uuid.UUID(i) for i in ids[:4]],
+    )
+    await pool.execute(
+        "UPDATE memories SET consolidation_failed_at = now() WHERE id = $1", uuid.UUID(ids[4])
+    )
+    page = _assert_page(await client.get("/ui/banks/c"))
+    assert 'data-chart="throughput" data-latest="1" data-total="5"' in page
+    assert 'data-chart="backlog" data-latest="2"' in page
+    assert "<svg" in page and "<polyline" in page and "<rect" in page
+    # The fleet's charts on the banks page count every bank.
+    assert 'data-chart="throughput"' in _assert_page(await client.get("/ui"))
+
+
+# --- observations: scope filter and text search -----------------------------------------------
+
+
+async def _observations(pool: asyncpg.Pool, bank: str, items: list[tuple[list[str], str]]) -> None:
+    for scope, text in items:
+        await pool.execute(
+            "INSERT INTO observations (id, bank_id, scope, text) VALUES ($1, $2, $3, $4)",
+            uuid.uuid4(),
+            bank,
+            scope,
+            text,
+        )
+
+
+async def test_observations_are_filtered_by_scope_and_searched_by_text(
+    client: httpx.AsyncClient, pool: asyncpg.Pool
+) -> None:
+    await client.post("/v1/banks/s/memories", json={"memories": [{"text": "x"}]})
+    await _observations(
+        pool,
+        "s",
+        [
+            (["work"], "Sam switched the team from Go to Postgres functions."),
+            (["work"], "Sam reviews pull requests on Fridays."),
+            (["home"], "Sam grows tomatoes on the balcony."),
+            ([], "Sam prefers 100% rye bread."),
+        ],
+    )
+
+    async def texts(**params: str) -> list[str]:
+        page = _assert_page(await client.get("/ui/banks/s/observations", params=params))
+        return re.findall(r'<p class="text">(.*?)</p>', page)
+
+    assert len(await texts()) == 4
+    assert len(await texts(scope="*")) == 4
+    assert len(await texts(scope="work")) == 2
+    assert await texts(scope="", q="rye") == ["Sam prefers 100% <mark>rye</mark> bread."]
+    # Full text finds another form of the word; the substring match a part of one.
+    assert await texts(q="switching") == ["Sam switched the team from Go to Postgres functions."]
+    assert await texts(q="Postgr") == [
+        "Sam switched the team from Go to <mark>Postgr</mark>es functions."
+    ]
+    assert await texts(q="tomatoes", scope="work") == []
+    # LIKE's wildcards are plain characters in a search.
+    assert await texts(q="100%") == ["Sam prefers <mark>100%</mark> rye bread."]
+    assert await texts(q="_") == []
+
+    page = _assert_page(
+        await client.get("/ui/banks/s/observations", params={"q": "Sam", "scope": "work"})
+    )
+    assert '<option value="work" selected>' in page and 'value="Sam"' in page
+    assert "No observation matches" in _assert_page(
+        await client.get("/ui/banks/s/observations", params={"q": "<b>nothing</b>"})
+    )
+    too_long = await client.get("/ui/banks/s/observations", params={"q": "x" * 201})
+    assert "at most 200 characters" in _assert_page(too_long, 422)

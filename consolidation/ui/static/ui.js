@@ -62,6 +62,12 @@
       const n = body.recovered;
       return `${n} failed ${n === 1 ? "memory" : "memories"} will be consolidated again.`;
     }
+    if (kind === "retry") {
+      const id = String(body.operation_id).slice(0, 8);
+      return body.deduplicated
+        ? `Joined the pending operation ${id}.`
+        : `Operation ${id} enqueued to retry.`;
+    }
     if (kind === "consolidate") {
       const id = String(body.operation_id).slice(0, 8);
       return body.deduplicated
@@ -73,13 +79,15 @@
 
   async function perform(button) {
     const [method, url] = button.dataset.action.split(" ");
+    const headers = { Accept: "application/json" };
+    const init = { method, credentials: "same-origin", headers };
+    if (button.dataset.body) {
+      headers["Content-Type"] = "application/json";
+      init.body = button.dataset.body;
+    }
     button.disabled = true;
     try {
-      const response = await fetch(url, {
-        method,
-        credentials: "same-origin",
-        headers: { Accept: "application/json" },
-      });
+      const response = await fetch(url, init);
       const body = await response.json().catch(() => ({}));
       if (response.ok) {
         flash(describe(button.dataset.kind, body), "ok");
