@@ -560,6 +560,9 @@ CREATE TABLE public.operations (
     finished_at timestamp with time zone,
     interruptions integer DEFAULT 0 NOT NULL,
     kind text DEFAULT 'consolidate'::text NOT NULL,
+    last_error text,
+    last_error_at timestamp with time zone,
+    reclaims integer DEFAULT 0 NOT NULL,
     CONSTRAINT operations_kind_check CHECK ((kind = ANY (ARRAY['consolidate'::text, 'forget'::text]))),
     CONSTRAINT operations_status_check CHECK ((status = ANY (ARRAY['pending'::text, 'running'::text, 'completed'::text, 'failed'::text, 'cancelled'::text])))
 );
