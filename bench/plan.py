@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from consolidation.plan import plan_wave, planned_passes
+from consolidation.engine.plan import plan_wave, planned_passes
 from consolidation.scopes import Scope
 
 
