@@ -10,8 +10,7 @@ from consolidation import db, queue
 from consolidation.engine import StopReason, StopSignal, run_operation
 from consolidation.fake_llm import FakeLLMServer
 from consolidation.settings import Settings
-from tests.integration.engine_helpers import grew, http_llm, ingest, topics, wait_for
-from tests.integration.test_engine import APPLY_GATE
+from tests.integration.engine_helpers import APPLY_GATE, grew, http_llm, ingest, topics, wait_for
 from tests.invariants import assert_consistent
 from tests.proxy import TcpProxy
 
