@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -23,26 +24,17 @@ from consolidation.scopes import Scope
 MAX_FAILURE_REASON_CHARS = 1000
 
 
+@dataclass(eq=False)
 class GroupRunner:
     """Runs the groups of one run's waves (:meth:`run`)."""
 
-    def __init__(
-        self,
-        batch_size: int,
-        passes: PassRunner,
-        recalls: RecallPlanner,
-        slots: SlotAllocator,
-        openings: Openings,
-        checkpoint: Checkpoint,
-        log: structlog.typing.FilteringBoundLogger,
-    ) -> None:
-        self.batch_size = batch_size
-        self.passes = passes
-        self.recalls = recalls
-        self.slots = slots
-        self.openings = openings
-        self.checkpoint = checkpoint
-        self.log = log
+    batch_size: int
+    passes: PassRunner
+    recalls: RecallPlanner
+    slots: SlotAllocator
+    openings: Openings
+    checkpoint: Checkpoint
+    log: structlog.typing.FilteringBoundLogger
 
     async def run(
         self,

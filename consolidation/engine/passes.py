@@ -72,26 +72,17 @@ class Ahead:
     answer: Speculation | None = None
 
 
+@dataclass(eq=False)
 class PassRunner:
     """Makes the passes of one run's groups (:meth:`run`)."""
 
-    def __init__(
-        self,
-        pool: asyncpg.Pool,
-        lease: Lease,
-        asker: Asker,
-        recalls: RecallPlanner,
-        slots: SlotAllocator,
-        checkpoint: Checkpoint,
-        log: structlog.typing.FilteringBoundLogger,
-    ) -> None:
-        self.pool = pool
-        self.lease = lease
-        self.asker = asker
-        self.recalls = recalls
-        self.slots = slots
-        self.checkpoint = checkpoint
-        self.log = log
+    pool: asyncpg.Pool
+    lease: Lease
+    asker: Asker
+    recalls: RecallPlanner
+    slots: SlotAllocator
+    checkpoint: Checkpoint
+    log: structlog.typing.FilteringBoundLogger
 
     async def run(
         self,

@@ -8,6 +8,7 @@ import functools
 import time
 from collections import Counter, deque
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import asyncpg
@@ -142,37 +143,23 @@ class WaveCloser:
                 state.applied.setdefault(scope, action)
 
 
+@dataclass(eq=False)
 class WavePipeline:
     """Every pending memory of a run's bank, wave after wave (:meth:`run`)."""
 
-    def __init__(
-        self,
-        pool: asyncpg.Pool,
-        lease: Lease,
-        *,
-        wave_size: int,
-        batch_size: int,
-        asker: Asker,
-        recalls: RecallPlanner,
-        slots: SlotAllocator,
-        openings: Openings,
-        groups: GroupRunner,
-        closer: WaveCloser,
-        checkpoint: Checkpoint,
-    ) -> None:
-        self.pool = pool
-        self.lease = lease
-        self.wave_size = wave_size
-        self.batch_size = batch_size
-        self.asker = asker
-        self.recalls = recalls
-        self.slots = slots
-        self.openings = openings
-        self.groups = groups
-        self.closer = closer
-        self.checkpoint = checkpoint
-        self._last_writer: dict[Scope, Claim] = {}
-        self._waves_launched = 0
+    pool: asyncpg.Pool
+    lease: Lease
+    wave_size: int
+    batch_size: int
+    asker: Asker
+    recalls: RecallPlanner
+    slots: SlotAllocator
+    openings: Openings
+    groups: GroupRunner
+    closer: WaveCloser
+    checkpoint: Checkpoint
+    _last_writer: dict[Scope, Claim] = field(default_factory=dict, init=False)
+    _waves_launched: int = field(default=0, init=False)
 
     async def run(self) -> None:
         """Consolidate every pending memory of the bank (within the scope filter).
