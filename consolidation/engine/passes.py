@@ -18,7 +18,7 @@ from consolidation.engine.member import MemoryState
 from consolidation.engine.plan import Pass
 from consolidation.engine.recall import RecallAhead, RecallPlanner, held_for
 from consolidation.engine.slots import Claim, SlotAllocator
-from consolidation.engine.stop import Checkpoint
+from consolidation.engine.stop import Checkpoint, settled
 from consolidation.errors import InvalidLLMOutput
 from consolidation.perf import PerfLog
 from consolidation.prompts import (
@@ -154,14 +154,19 @@ class PassRunner:
                         write, following_recall, perf
                     )
                 started = time.monotonic()
-                try:
-                    fetched_next = await store.apply_pass(
+                apply = asyncio.ensure_future(
+                    store.apply_pass(
                         self.pool,
                         self.lease,
                         write,
                         following_recall if successor is None else successor[1],
                         embeddings=self.asker.embedder is not None,
                     )
+                )
+                try:
+                    # An apply once sent is waited for, even by a stopping pass: it may commit
+                    # after the client gave up on it, and the wave's close must see its journal.
+                    fetched_next = await settled(apply)
                 except store.StaleObservation as exc:
                     raise InvalidLLMOutput(str(exc)) from exc
                 finally:

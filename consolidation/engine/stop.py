@@ -5,9 +5,11 @@ from __future__ import annotations
 import asyncio
 import enum
 import uuid
-from typing import Any
+from typing import Any, TypeVar
 
 from consolidation.errors import LeaseLost, OperationCancelled
+
+T = TypeVar("T")
 
 
 class StopReason(enum.Enum):
@@ -28,17 +30,20 @@ class StopReason(enum.Enum):
 class StopSignal:
     """Why an operation should stop; the first reason wins. A reason that aborts at once also
     cancels the engine task (in-flight LLM requests are abandoned); ``shutdown`` lets running
-    passes finish until :meth:`force` is called."""
+    passes finish until :meth:`force` is called. The task is cancelled once, however many
+    places deliver the stop: a second cancel would cut short the wave closes it waits for."""
 
     def __init__(self) -> None:
         self.reason: StopReason | None = None
         self.event = asyncio.Event()
         self._task: asyncio.Task[Any] | None = None
+        self._forced = False
 
     def attach(self, task: asyncio.Task[Any]) -> None:
         self._task = task
-        if self.reason is not None and self.reason.aborts_at_once:
-            task.cancel()
+        if self._forced or (self.reason is not None and self.reason.aborts_at_once):
+            self._forced = False
+            self.force()
 
     def set(self, reason: StopReason) -> None:
         if self.reason is None:
@@ -48,7 +53,11 @@ class StopSignal:
             self.force()
 
     def force(self) -> None:
-        """Cancel the running engine task (aborts in-flight LLM requests)."""
+        """Cancel the running engine task (aborts in-flight LLM requests), once; before the
+        task is attached, when it is."""
+        if self._forced:
+            return
+        self._forced = True
         if self._task is not None and not self._task.done():
             self._task.cancel()
 
@@ -96,3 +105,19 @@ class Checkpoint:
     def may_start(self) -> bool:
         """Whether a pass may start now: nothing asks the operation to stop."""
         return self.signal.reason is None and not self.aborted
+
+
+async def settled(task: asyncio.Future[T]) -> T:
+    """``task``'s result, waiting for its end even when cancelled meanwhile (then
+    CancelledError is raised once it has ended): for writes whose outcome must be known."""
+    cancelled = False
+    while not task.done():
+        try:
+            await asyncio.wait({task})
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        if not task.cancelled():
+            task.exception()  # observed: the cancel is what the caller hears
+        raise asyncio.CancelledError()
+    return task.result()

@@ -9,7 +9,6 @@ import time
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import asyncpg
 import structlog
@@ -23,7 +22,7 @@ from consolidation.engine.outcome import first_error
 from consolidation.engine.plan import plan_wave, planned_passes
 from consolidation.engine.recall import RecallPlanner
 from consolidation.engine.slots import Claim, SlotAllocator
-from consolidation.engine.stop import Checkpoint, StopReason, StopSignal
+from consolidation.engine.stop import Checkpoint, StopReason, StopSignal, settled
 from consolidation.engine.summary import ProgressCallback, RunSummary
 from consolidation.errors import OperationCancelled
 from consolidation.queue import Lease
@@ -159,6 +158,9 @@ class WavePipeline:
     closer: WaveCloser
     checkpoint: Checkpoint
     _last_writer: dict[Scope, Claim] = field(default_factory=dict, init=False)
+    # The group tasks not done yet: a stop cancels them, never a wave's task, which must live
+    # to commit its markers.
+    _running: set[asyncio.Task[None]] = field(default_factory=set, init=False)
     _waves_launched: int = field(default=0, init=False)
 
     async def run(self) -> None:
@@ -172,7 +174,8 @@ class WavePipeline:
         to the one with the longest critical path through the queued waves
         (:class:`consolidation.engine.slots.SlotAllocator`). Each wave still gathers its own
         groups and commits its own markers (:meth:`_run_wave`); the next wave is fetched when
-        one closes.
+        one closes. Cancelled, it cancels the groups and returns once every wave in flight has
+        committed its markers, however often it is cancelled meanwhile.
         """
         cursor = None
         exhausted = False
@@ -208,8 +211,7 @@ class WavePipeline:
                     raise first_error([e for t in in_flight if (e := t.exception()) is not None])
                 in_flight.popleft()
         except asyncio.CancelledError:
-            for task in in_flight:
-                task.cancel()
+            self._cancel_groups()
             raise
         finally:
             # Waves still in flight end first: their running passes finish (or are cancelled
@@ -219,8 +221,15 @@ class WavePipeline:
                     await asyncio.wait(in_flight)
                     break
                 except asyncio.CancelledError:
-                    for task in in_flight:
-                        task.cancel()
+                    self._cancel_groups()
+            for task in in_flight:
+                # Observed: the error that decides the run was raised above, or a stop was.
+                if not task.cancelled():
+                    task.exception()
+
+    def _cancel_groups(self) -> None:
+        for task in self._running:
+            task.cancel()
 
     def _wants_another_wave(self, waves_in_flight: int) -> bool:
         """Keep MAX_WAVES_IN_FLIGHT waves fetched and queued: the slot allocator can only favour
@@ -269,6 +278,7 @@ class WavePipeline:
             # Whatever becomes of the task — even cancelled before it ever ran — its slot, if
             # it took one, is freed and the groups behind it in its scopes may go.
             task.add_done_callback(functools.partial(self._group_ended, claim))
+            self._running.add(task)
             for scope in scopes:
                 self._last_writer[scope] = claim
             tasks.append(task)
@@ -276,7 +286,8 @@ class WavePipeline:
             self._run_wave(number, states, reports, tasks), name=f"wave-{number}"
         )
 
-    def _group_ended(self, claim: Claim, _: asyncio.Task[Any]) -> None:
+    def _group_ended(self, claim: Claim, task: asyncio.Task[None]) -> None:
+        self._running.discard(task)
         self.recalls.ended(claim)
         self.openings.done(claim)
         self.slots.finish(claim)
@@ -288,14 +299,19 @@ class WavePipeline:
         reports: Sequence[Sequence[BatchReport]],
         groups: Sequence[asyncio.Task[None]],
     ) -> None:
-        """Gather the wave's groups, then commit its markers — also when it was cancelled."""
+        """Gather the wave's groups, then commit its markers — also when it was cancelled: the
+        close is awaited to its end (a cancel cannot cut it short), so the operation never ends
+        with a close still writing."""
         started = time.monotonic()
         results: list[BaseException | None] | None = None
         try:
             results = await asyncio.gather(*groups, return_exceptions=True)
         finally:
             interrupted = results is None or any(results)
-            await asyncio.shield(self.closer.close(number, states, reports, started, interrupted))
+            close = asyncio.ensure_future(
+                self.closer.close(number, states, reports, started, interrupted)
+            )
+            await settled(close)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             raise first_error(errors)

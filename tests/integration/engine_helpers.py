@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 import asyncpg
@@ -216,3 +217,19 @@ async def two_calls_while_the_first_apply_is_held(
     finally:
         await gate.close()
         await llm.aclose()
+
+
+@contextlib.contextmanager
+def unretrieved_task_errors() -> Iterator[list[str]]:
+    """The messages of the event loop's exception handler while the block runs ("Task
+    exception was never retrieved" among them), after a garbage collection at its end: a task
+    that failed unobserved is reported when it is collected."""
+    loop = asyncio.get_running_loop()
+    seen: list[str] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _, context: seen.append(str(context.get("message"))))
+    try:
+        yield seen
+        gc.collect()
+    finally:
+        loop.set_exception_handler(previous)
