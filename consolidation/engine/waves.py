@@ -24,7 +24,7 @@ from consolidation.engine.recall import RecallPlanner
 from consolidation.engine.slots import Claim, SlotAllocator
 from consolidation.engine.stop import Checkpoint, StopReason, StopSignal, settled
 from consolidation.engine.summary import ProgressCallback, RunSummary
-from consolidation.errors import OperationCancelled
+from consolidation.errors import LeaseLost, OperationCancelled
 from consolidation.queue import Lease
 from consolidation.scopes import Scope
 
@@ -97,30 +97,47 @@ class WaveCloser:
                     )
             consolidated = [s.memory.id for s in states if s.finished()]
             failed = {s.memory.id: s.failure for s in states if s.failure is not None}
-            await store.commit_wave_markers(self.pool, self.lease, consolidated, failed)
+            try:
+                marked = await store.commit_wave_markers(
+                    self.pool, self.lease, consolidated, failed
+                )
+            except LeaseLost:
+                self._lost(number, "markers")
+                raise
             for action, count in Counter(outcome.values()).items():
                 if action is not None:
                     metrics.MEMORIES.labels(action=action).inc(count)
             recovered = sum(action is None for action in outcome.values())
+            # Counted as the fenced statement reports them, not as asked.
             self.summary.waves += 1
-            self.summary.processed += len(consolidated) + len(failed)
-            self.summary.consolidated += len(consolidated)
-            self.summary.failed += len(failed)
+            self.summary.processed += marked.consolidated + marked.failed
+            self.summary.consolidated += marked.consolidated
+            self.summary.failed += marked.failed
             self.summary.recovered += recovered
             self.log.info(
                 "wave",
                 wave=number,
                 memories=len(states),
-                consolidated=len(consolidated),
-                failed=len(failed),
+                consolidated=marked.consolidated,
+                failed=marked.failed,
                 recovered=recovered,
                 seconds=round(time.monotonic() - started, 4),
             )
-            if await queue.record_progress(self.pool, self.lease, self.summary.progress()):
+            try:
+                cancel = await queue.record_progress(self.pool, self.lease, self.summary.progress())
+            except LeaseLost:
+                self._lost(number, "progress")
+                raise
+            if cancel:
                 self.stop.set(StopReason.CANCEL)
             elif await self._slice_over(full_wave=len(states) >= self.wave_size):
                 self.stop.set(StopReason.SLICE)
             self.report()
+
+    def _lost(self, number: int, write: str) -> None:
+        """A fenced write of the close matched nothing: another worker owns the attempt now."""
+        self.log.warning("lease_lost", wave=number, write=write, attempt=self.lease.attempt)
+        self.stop.set(StopReason.LEASE_LOST)
 
     async def _slice_over(self, full_wave: bool) -> bool:
         """Whether to give the slot up: the slice has run out and another operation waits for

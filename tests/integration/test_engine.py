@@ -9,8 +9,9 @@ from typing import Any
 
 import asyncpg
 import pytest
+import structlog.testing
 
-from consolidation import queue
+from consolidation import queue, store
 from consolidation.engine import StopSignal
 from consolidation.fake_llm import FakeLLMServer
 from consolidation.llm import OfflineConsolidator
@@ -271,3 +272,35 @@ async def test_a_group_failing_for_good_in_a_later_wave_fails_the_operation_with
     census = await assert_consistent(pool)
     assert (census.consolidated, census.outcomes) == (10, 10)
     assert census.observations_per_scope == {("b", ("p",)): 1, ("b", ("s",)): 1}
+
+
+async def test_markers_fenced_out_are_not_counted_as_done_and_the_lost_lease_is_a_warning(
+    pool: asyncpg.Pool, fake: FakeLLMServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Another worker takes the operation over just before the first wave's markers are
+    # written: the fenced write marks nothing, and nothing may say it did — not the wave's log
+    # line, not the summary, not the progress.
+    await ingest(pool, "b", topic("Ann", 4, ["ann"]))
+    commit = store.commit_wave_markers
+
+    async def taken_over_first(p: asyncpg.Pool, lease: Any, *args: Any) -> Any:
+        await p.execute(
+            "UPDATE operations SET worker_id = 'another-worker' WHERE id = $1", lease.operation_id
+        )
+        return await commit(p, lease, *args)
+
+    monkeypatch.setattr(store, "commit_wave_markers", taken_over_first)
+    llm = http_llm(fake.url)
+    try:
+        with structlog.testing.capture_logs() as logs:
+            end = await consolidate(pool, "b", llm)
+    finally:
+        await llm.aclose()
+    assert end.status == "lost"
+    assert (end.summary.processed, end.summary.consolidated, end.summary.waves) == (0, 0, 0)
+    assert await markers(pool, "b") == {"consolidated": 0, "failed": 0, "pending": 4}
+    lost = [e for e in logs if e["event"] == "lease_lost"]
+    assert lost and all(e["log_level"] == "warning" for e in lost)
+    assert not [e for e in logs if e["event"] == "wave" and e["consolidated"] > 0]
+    progress = await pool.fetchval("SELECT progress FROM operations")
+    assert not progress or progress.get("processed", 0) == 0

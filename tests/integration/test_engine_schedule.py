@@ -42,7 +42,7 @@ async def test_the_markers_of_a_wave_are_written_by_one_statement(
             await llm.aclose()
     assert end.status == "completed" and end.summary.waves == 3
     marker_writes = [s for s in statements if "consolidated_at =" in s]
-    assert len(marker_writes) == 3  # one executemany per wave, whatever the wave's size
+    assert len(marker_writes) == 3  # one statement per wave, whatever the wave's size
     assert all(s.strip() == store.COMMIT_MARKER.strip() for s in marker_writes)
 
 
