@@ -225,7 +225,9 @@ class WavePipeline:
                     # Its error may only say that a group of a later wave failed for good
                     # (SiblingFailed): the error of the run is the weightiest of all the waves'.
                     await asyncio.wait(in_flight)
-                    raise first_error([e for t in in_flight if (e := t.exception()) is not None])
+                    raise first_error(
+                        [e for t in in_flight if not t.cancelled() and (e := t.exception())]
+                    )
                 in_flight.popleft()
         except asyncio.CancelledError:
             self._cancel_groups()

@@ -26,6 +26,7 @@ from tests.integration.engine_helpers import (
     run_next,
     topic,
     two_calls_while_the_first_apply_is_held,
+    unretrieved_task_errors,
     wait_for,
 )
 from tests.invariants import assert_consistent
@@ -292,10 +293,11 @@ async def test_markers_fenced_out_are_not_counted_as_done_and_the_lost_lease_is_
     monkeypatch.setattr(store, "commit_wave_markers", taken_over_first)
     llm = http_llm(fake.url)
     try:
-        with structlog.testing.capture_logs() as logs:
+        with unretrieved_task_errors() as unretrieved, structlog.testing.capture_logs() as logs:
             end = await consolidate(pool, "b", llm)
     finally:
         await llm.aclose()
+    assert unretrieved == []  # the close's LeaseLost is the run's error, observed
     assert end.status == "lost"
     assert (end.summary.processed, end.summary.consolidated, end.summary.waves) == (0, 0, 0)
     assert await markers(pool, "b") == {"consolidated": 0, "failed": 0, "pending": 4}
