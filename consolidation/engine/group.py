@@ -54,7 +54,7 @@ class GroupRunner:
         earlier writers are done, and the groups of its wave write others), and its first LLM
         call starts the moment a slot is freed. A group of one pass that waited on one earlier
         group alone has its recall already: that group's last apply fetched it
-        (:meth:`RecallPlanner.successor`). With embeddings, the recalls wait for the wave's
+        (:meth:`RecallPlanner.after_apply`). With embeddings, the recalls wait for the wave's
         facts to be embedded (``facts``)."""
         plan = GroupPlan(group, self.batch_size, MemoryState.remaining)
         self.recalls.track(claim, plan)

@@ -7,7 +7,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import asyncpg
 import structlog
@@ -16,7 +16,7 @@ from consolidation import store
 from consolidation.engine.asker import Asker
 from consolidation.engine.member import MemoryState
 from consolidation.engine.plan import Pass
-from consolidation.engine.recall import RecallAhead, RecallPlanner, held_for
+from consolidation.engine.recall import RecallAhead, RecallPlanner
 from consolidation.engine.slots import Claim, SlotAllocator
 from consolidation.engine.stop import Checkpoint, settled
 from consolidation.errors import InvalidLLMOutput
@@ -116,19 +116,23 @@ class PassRunner:
             early.drop(perf)  # the plan changed (a split, a failed member): not this pass's
             early = None
             self.checkpoint.check()  # skipped for it: no new call when the operation is stopping
-        held = ahead.recalls if ahead is not None else ()
-        upcoming_wanted = None if upcoming is None else await recalls.wanted(upcoming, perf)
+        around = await recalls.around(
+            wanted,
+            upcoming,
+            following,
+            ahead.recalls if ahead is not None else (),
+            claim,
+            perf,
+            shown_known=early is not None,
+        )
         if early is not None:
             recalled, request, chat = early.recall.observations, early.request, early.chat
-            upcoming_recall = held_for(held, upcoming_wanted)
         else:
-            recalled, upcoming_recall = await recalls.for_pass(wanted, upcoming_wanted, held, perf)
+            assert around.shown is not None
+            recalled = around.shown
             request = self._request(step, recalled)
             chat = pass_chat(request)
-        following_recall = None if following is None else await recalls.wanted(following, perf)
-        successor = None
-        if upcoming is None and following is None and claim is not None:
-            successor = recalls.successor(claim)
+        upcoming_recall = around.upcoming
         for attempt in (1, 2):
             started_early: Speculation | None = None
             try:
@@ -151,15 +155,16 @@ class PassRunner:
                     self.slots.release(claim)  # the group's last answer is in
                 if self.asker.embedder is not None:
                     write, following_recall = await self.asker.with_vectors(
-                        write, following_recall, perf
+                        write, around.following, perf
                     )
+                    around = replace(around, following=following_recall)
                 started = time.monotonic()
                 apply = asyncio.ensure_future(
                     store.apply_pass(
                         self.pool,
                         self.lease,
                         write,
-                        following_recall if successor is None else successor[1],
+                        around.brought,
                         embeddings=self.asker.embedder is not None,
                     )
                 )
@@ -192,14 +197,10 @@ class PassRunner:
                 raise
             for member, outcome in zip(step.members, write.outcomes, strict=True):
                 member.applied[step.scope] = outcome.action
-            if successor is not None and fetched_next is not None:
-                recalls.hand(successor[0], RecallAhead(successor[1], fetched_next))
-            prepared = []
-            if following_recall is not None and fetched_next is not None:
-                prepared.append(RecallAhead(following_recall, fetched_next))
-            if started_early is None and upcoming_recall is not None:
-                prepared.append(upcoming_recall.after(write, recalled))
-            return Ahead(tuple(prepared), started_early)
+            prepared = recalls.after_apply(
+                around, write, recalled, fetched_next, speculated=started_early is not None
+            )
+            return Ahead(prepared, started_early)
         raise AssertionError("unreachable")
 
     def _request(

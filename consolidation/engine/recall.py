@@ -60,6 +60,24 @@ class RecallAhead:
         return replace(self, observations=(written + rest)[: self.request.limit])
 
 
+@dataclass(frozen=True)
+class PassRecalls:
+    """The recalls around one pass (:meth:`RecallPlanner.around`): what the model is shown
+    (None when an early call's recall is used), the upcoming pass's recall (this pass's writes
+    are laid over it), and what this pass's apply brings back — the following pass's recall,
+    or the only recall of a group waiting on this one alone (``successor``)."""
+
+    shown: list[store.RecalledObservation] | None
+    upcoming: RecallAhead | None
+    following: store.RecallRequest | None
+    successor: tuple[Claim, store.RecallRequest] | None = None
+
+    @property
+    def brought(self) -> store.RecallRequest | None:
+        """The recall the apply fetches after its writes, in its transaction."""
+        return self.following if self.successor is None else self.successor[1]
+
+
 def held_for(held: Sequence[RecallAhead], wanted: store.RecallRequest | None) -> RecallAhead | None:
     """The recall among ``held`` fetched for ``wanted``, if any."""
     if wanted is None:
@@ -75,7 +93,7 @@ class RecallPlanner:
         self.asker = asker
         self.limit = limit
         # The plans of the groups queued, and the first recalls a group's last apply fetched
-        # for a group waiting on it alone (:meth:`successor`).
+        # for a group waiting on it alone (:meth:`_successor`).
         self._plans: dict[Claim, GroupPlan[MemoryState]] = {}
         self._handed: dict[Claim, RecallAhead] = {}
 
@@ -94,7 +112,7 @@ class RecallPlanner:
             wanted = replace(wanted, fact_vectors=await self.asker.embed(wanted.fact_texts, perf))
         return wanted
 
-    async def fetch(
+    async def _fetch(
         self, wanted: Sequence[store.RecallRequest], perf: PerfLog
     ) -> tuple[RecallAhead, ...]:
         """The recalls of ``wanted``, in one statement."""
@@ -108,9 +126,59 @@ class RecallPlanner:
     ) -> tuple[RecallAhead, ...]:
         """The recalls of the group's first two passes, in one statement."""
         steps = [step for step in (plan.peek(), plan.peek(2)) if step is not None]
-        return await self.fetch([await self.wanted(step, perf) for step in steps], perf)
+        return await self._fetch([await self.wanted(step, perf) for step in steps], perf)
 
-    async def for_pass(
+    async def around(
+        self,
+        wanted: store.RecallRequest,
+        upcoming: Pass[MemoryState] | None,
+        following: Pass[MemoryState] | None,
+        held: Sequence[RecallAhead],
+        claim: Claim | None,
+        perf: PerfLog,
+        *,
+        shown_known: bool = False,
+    ) -> PassRecalls:
+        """The recalls around the pass recalling by ``wanted`` (its plan's next passes are
+        ``upcoming`` and ``following``; ``held``, what earlier passes brought): from ``held``
+        where it has them, else fetched — unless ``shown_known`` (an early call was made on the
+        recall it will show)."""
+        upcoming_wanted = None if upcoming is None else await self.wanted(upcoming, perf)
+        shown: list[store.RecalledObservation] | None = None
+        if shown_known:
+            upcoming_recall = held_for(held, upcoming_wanted)
+        else:
+            shown, upcoming_recall = await self._for_pass(wanted, upcoming_wanted, held, perf)
+        following_wanted = None if following is None else await self.wanted(following, perf)
+        successor = None
+        if upcoming is None and following is None and claim is not None:
+            successor = self._successor(claim)
+        return PassRecalls(shown, upcoming_recall, following_wanted, successor)
+
+    def after_apply(
+        self,
+        recalls: PassRecalls,
+        write: store.PassWrite,
+        shown: Sequence[store.RecalledObservation],
+        brought: list[store.RecalledObservation] | None,
+        *,
+        speculated: bool,
+    ) -> tuple[RecallAhead, ...]:
+        """What the applied ``write`` leaves for the next passes: the recall its apply
+        ``brought`` back (a waiting group's is kept for it), and — unless the upcoming pass's
+        call was started on it already (``speculated``) — the upcoming recall with ``write``
+        laid over it."""
+        if recalls.successor is not None and brought is not None:
+            claim, request = recalls.successor
+            self._handed[claim] = RecallAhead(request, brought)
+        prepared = []
+        if recalls.following is not None and brought is not None:
+            prepared.append(RecallAhead(recalls.following, brought))
+        if not speculated and recalls.upcoming is not None:
+            prepared.append(recalls.upcoming.after(write, shown))
+        return tuple(prepared)
+
+    async def _for_pass(
         self,
         wanted: store.RecallRequest,
         upcoming: store.RecallRequest | None,
@@ -128,10 +196,10 @@ class RecallPlanner:
         both = [wanted]
         if upcoming is not None and upcoming_recall is None:
             both.append(upcoming)
-        fetched = await self.fetch(both, perf)
+        fetched = await self._fetch(both, perf)
         return fetched[0].observations, fetched[1] if len(fetched) == 2 else upcoming_recall
 
-    def successor(self, claim: Claim) -> tuple[Claim, store.RecallRequest] | None:
+    def _successor(self, claim: Claim) -> tuple[Claim, store.RecallRequest] | None:
         """For the last pass of ``claim``'s group: a queued group that waits on it alone and
         makes one pass, with the recall of that pass. The last apply fetches it after its own
         writes, in its transaction, instead of that group sending a statement of its own once
@@ -149,10 +217,6 @@ class RecallPlanner:
             if only is not None:
                 return later, self._request(only)
         return None
-
-    def hand(self, claim: Claim, recall: RecallAhead) -> None:
-        """Keep ``recall`` for ``claim``'s group (it came with the apply of its predecessor)."""
-        self._handed[claim] = recall
 
     def handed_over(self, claim: Claim, plan: GroupPlan[MemoryState]) -> RecallAhead | None:
         """The first recall the last apply of the group ``claim`` waited on fetched for it,
