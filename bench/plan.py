@@ -1,7 +1,7 @@
 """The plan the engine forms for each wave, and the ideal time of that plan.
 
 :class:`PlanTracker` sees every wave the engine fetches (the driver wraps ``store.fetch_wave``)
-and plans it with the engine's own planner (``consolidation.plan``: ``plan_wave`` and
+and plans it with the engine's own planner (``consolidation.engine.plan``: ``plan_wave`` and
 ``planned_passes`` over the same ``todo`` scopes). A batch makes one LLM call per scope it writes;
 a group runs its batches (and their passes) strictly in order, so a group is a chain of calls.
 
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from consolidation.plan import plan_wave, planned_passes
+from consolidation.engine.plan import plan_wave, planned_passes
 from consolidation.scopes import Scope
 
 
@@ -214,7 +214,7 @@ def simulate_pipelined(
       slots);
     - ``priority="critical_path"``: the longest remaining path — its calls plus the longest path
       among the known groups that wait on it, transitively —, then the older wave, then the
-      wave's order (the engine's, ``consolidation.slots``).
+      wave's order (the engine's, ``consolidation.engine.slots``).
 
     A group is known once its wave is fetched. ``lookahead`` bounds the waves fetched from the
     oldest one not done (the engine's MAX_WAVES_IN_FLIGHT; None: no bound); ``fetch="eager"``

@@ -28,7 +28,7 @@ CATEGORIES: tuple[tuple[str, str], ...] = (
     ("consolidation.prompts (request/answer JSON)", r"consolidation/prompts\.py"),
     ("consolidation.llm", r"consolidation/llm\.py"),
     ("consolidation.store", r"consolidation/store\.py"),
-    ("consolidation.engine", r"consolidation/engine\.py"),
+    ("consolidation.engine", r"consolidation/engine/"),
     ("consolidation (other)", r"consolidation/"),
     ("event loop (uvloop or asyncio)", r"asyncio/|selectors\.py|uvloop/"),
 )

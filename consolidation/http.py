@@ -1,8 +1,8 @@
 """The HTTP transport of the OpenAI-compatible clients (llm.py, embeddings.py).
 
-An :class:`Endpoint` is one route, ``POST {base_url}/{path}``: pooled connections (the
-plain-http client of ``plainhttp.py`` for ``http://`` without a proxy, else aiohttp), a cap
-on requests in flight, one POST read in full and classified by its status, and the retry loop —
+An :class:`Endpoint` is one route, ``POST {base_url}/{path}``: pooled aiohttp connections, a
+cap on requests in flight, one POST read in full (up to a size cap) and classified by its
+status, and the retry loop —
 exponential backoff with full jitter, ``Retry-After`` honoured, at most ``max_retries`` retries
 and ``retry_budget_s`` seconds per call (DESIGN §2). Each client keeps what is its own: the
 request body and how an answer is read.
@@ -28,7 +28,6 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from consolidation import __version__
 from consolidation.errors import InvalidLLMOutput, LLMConfigError, TransientLLMError
-from consolidation.plainhttp import PlainHTTP
 from consolidation.settings import Settings
 
 __all__ = [
@@ -38,6 +37,7 @@ __all__ = [
     "Options",
     "Reply",
     "Resend",
+    "ResponseTooLarge",
     "RetriesExhausted",
     "Retryable",
     "Route",
@@ -57,6 +57,11 @@ RETRYABLE_STATUSES = frozenset({408, 425, 429})
 # A server asking for a longer pause than the backoff cap is obeyed, but only this far.
 _RETRY_AFTER_CAP_FACTOR = 5.0
 _BODY_EXCERPT_CHARS = 300
+# The largest answer body read (after decompression): far above any answer a model sends within
+# its max_tokens or any embeddings batch, small enough that a runaway server cannot exhaust the
+# worker's memory.
+MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+_READ_CHUNK_BYTES = 256 * 1024
 
 
 class RetriesExhausted(TransientLLMError):
@@ -76,6 +81,16 @@ class Retryable(Exception):
         self.reason = reason
         self.status = status
         self.retry_after = retry_after
+
+
+class ResponseTooLarge(Retryable):
+    """The answer's body is larger than the endpoint's cap; it was not read past the cap."""
+
+    def __init__(self, limit: int, declared: int | None = None) -> None:
+        size = f"{declared} bytes" if declared is not None else "more"
+        super().__init__(f"answer body of {size} exceeds the cap of {limit} bytes")
+        self.limit = limit
+        self.declared = declared
 
 
 class Resend(Exception):
@@ -139,6 +154,7 @@ class Options(TypedDict, total=False):
     max_concurrent: int
     backoff_base_s: float
     backoff_max_s: float
+    max_response_bytes: int
 
 
 def options_from(settings: Settings) -> Options:
@@ -250,11 +266,9 @@ class Endpoint:
     A 401, 403, 404, 405 or a redirect raises ``route.config_error`` with a message naming the
     setting to fix; transport trouble that outlasts the retries raises ``route.exhausted``.
 
-    The transport of a plain ``http://`` URL reached without a proxy is
-    :class:`consolidation.plainhttp.PlainHTTP` (a self-hosted model: 40 µs of CPU a request
-    against aiohttp's 100); any other is aiohttp (keep-alive pool of ``max_concurrent``
-    connections, no redirects followed, ``HTTP(S)_PROXY`` / ``NO_PROXY`` read once): a tenth of
-    httpx's CPU per request under concurrency (docs/benchmarks.md, "What the profiles led to").
+    The transport is aiohttp: a keep-alive pool of ``max_concurrent`` connections, no redirects
+    followed, ``HTTP(S)_PROXY`` / ``NO_PROXY`` read once, bodies read up to
+    ``max_response_bytes`` (:class:`ResponseTooLarge` past it, retried like a transport fault).
     """
 
     def __init__(
@@ -270,10 +284,14 @@ class Endpoint:
         max_concurrent: int = 16,
         backoff_base_s: float = 0.5,
         backoff_max_s: float = 30.0,
+        max_response_bytes: int = MAX_RESPONSE_BYTES,
     ) -> None:
         budget = 2 * timeout_s if retry_budget_s is None else retry_budget_s
-        if max_concurrent < 1 or max_retries < 0 or timeout_s <= 0:
-            raise ValueError("need max_concurrent >= 1, max_retries >= 0 and timeout_s > 0")
+        if max_concurrent < 1 or max_retries < 0 or timeout_s <= 0 or max_response_bytes < 1:
+            raise ValueError(
+                "need max_concurrent >= 1, max_retries >= 0, timeout_s > 0 and "
+                "max_response_bytes >= 1"
+            )
         if budget < timeout_s:
             raise ValueError("retry_budget_s must be at least timeout_s")
         label, setting = route.label, route.setting
@@ -293,6 +311,7 @@ class Endpoint:
         self._proxy = env_proxy(self.url)
         self._backoff_base_s = backoff_base_s
         self._backoff_max_s = backoff_max_s
+        self.max_response_bytes = max_response_bytes
         key, url = f"{setting}_API_KEY", f"{setting}_BASE_URL"
         self._config_hints = {
             401: f"check {key}",
@@ -314,26 +333,18 @@ class Endpoint:
         }
         if api_key:
             if any(ch in api_key for ch in "\r\n\0"):
-                # It would end the header line and start another (either client sends it as is).
+                # It would end the header line and start another (aiohttp sends it as is).
                 raise route.config_error(
                     f"{key} contains a line break or a NUL: set it to the key alone"
                 )
             self._headers["authorization"] = f"Bearer {api_key}"
         # Created on first use: an aiohttp session belongs to the event loop it is created on.
         self._session: aiohttp.ClientSession | None = None
-        # Plain http:// without a proxy: the leaner client (consolidation/plainhttp.py).
-        self._plain = (
-            PlainHTTP(self.url, self._headers)
-            if parts.scheme == "http" and self._proxy is None
-            else None
-        )
         self._closed = False
 
     async def aclose(self) -> None:
         """Close the connection pool; the endpoint is unusable afterwards."""
         self._closed = True
-        if self._plain is not None:
-            self._plain.close()
         session, self._session = self._session, None
         if session is not None:
             await session.close()
@@ -425,8 +436,8 @@ class Endpoint:
     async def post(self, body: bytes, budget: Budget) -> Reply:
         """One request, within the cap on requests in flight and what is left of ``budget``.
 
-        Raises :class:`Retryable` for a timeout or a connection error. Cancelling the caller
-        aborts the request.
+        Raises :class:`Retryable` for a timeout or a connection error, :class:`ResponseTooLarge`
+        for a body over ``max_response_bytes``. Cancelling the caller aborts the request.
         """
         if self._closed:
             raise RuntimeError(f"the {self.route.label} client is closed")
@@ -440,10 +451,6 @@ class Endpoint:
                 in_flight.inc()
             started = time.perf_counter()
             try:
-                if self._plain is not None:
-                    async with asyncio.timeout(timeout_s):
-                        answer = await self._plain.post(body)
-                    return Reply(answer.status, answer.reason, answer.headers, answer.body)
                 async with self._client().post(
                     self.url,
                     data=body,
@@ -455,7 +462,7 @@ class Endpoint:
                         response.status,
                         response.reason or "",
                         response.headers,
-                        await response.read(),
+                        await self._read(response),
                     )
             except TimeoutError as exc:
                 rest = " (the rest of the retry budget)" if timeout_s < self.timeout_s else ""
@@ -469,6 +476,21 @@ class Endpoint:
                 if in_flight is not None:
                     in_flight.dec()
                 meters.latency.observe(time.perf_counter() - started)
+
+    async def _read(self, response: aiohttp.ClientResponse) -> bytes:
+        """The body, read no further than the cap (a declared length over it is not read)."""
+        limit = self.max_response_bytes
+        declared = response.content_length
+        if declared is not None and declared > limit:
+            raise ResponseTooLarge(limit, declared)
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in response.content.iter_chunked(_READ_CHUNK_BYTES):
+            size += len(chunk)
+            if size > limit:
+                raise ResponseTooLarge(limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     def check(self, reply: Reply) -> None:
         """Raise for what every OpenAI-compatible route means alike: :class:`Retryable` for

@@ -947,16 +947,33 @@ async def journal_of(
     return [(r["memory_id"], scope_from_db(r["scope"]), r["action"]) for r in rows]
 
 
-# Fenced (consolidation_holds_lease_v1): a worker that lost its lease marks nothing. Executed with
-# executemany, which asyncpg sends as one pipelined round trip.
+# Fenced (consolidation_holds_lease_v1, checked once): a worker that lost its lease marks nothing,
+# and hears so. One statement, one round trip, whatever the wave's size; it reports what it marked.
 COMMIT_MARKER = """
-UPDATE memories
-SET consolidated_at = CASE WHEN $2 THEN now() END,
-    consolidation_failed_at = CASE WHEN $2 THEN NULL ELSE now() END,
-    consolidation_failed_reason = $6
-WHERE id = $1 AND consolidated_at IS NULL AND consolidation_failed_at IS NULL
-  AND consolidation_holds_lease_v1($3, $4, $5)
+WITH fence AS MATERIALIZED (SELECT consolidation_holds_lease_v1($1, $2, $3) AS held),
+marked AS (
+    UPDATE memories m
+    SET consolidated_at = CASE WHEN w.ok THEN now() END,
+        consolidation_failed_at = CASE WHEN w.ok THEN NULL ELSE now() END,
+        consolidation_failed_reason = w.reason
+    FROM unnest($4::uuid[], $5::boolean[], $6::text[]) AS w(id, ok, reason)
+    WHERE m.id = w.id AND m.consolidated_at IS NULL AND m.consolidation_failed_at IS NULL
+      AND (SELECT held FROM fence)
+    RETURNING w.ok
+)
+SELECT (SELECT held FROM fence) AS held,
+       count(*) FILTER (WHERE ok) AS consolidated,
+       count(*) FILTER (WHERE NOT ok) AS failed
+FROM marked
 """
+
+
+@dataclass(frozen=True)
+class Marked:
+    """How many memories a wave's marker write marked consolidated and failed."""
+
+    consolidated: int
+    failed: int
 
 
 async def commit_wave_markers(
@@ -964,14 +981,25 @@ async def commit_wave_markers(
     lease: Lease,
     consolidated: Sequence[uuid.UUID],
     failed: Mapping[uuid.UUID, str],
-) -> None:
-    """Mark a wave's finished memories (``failed`` maps each to its reason): ONE executemany,
-    one round trip."""
-    fence = (lease.operation_id, lease.worker_id, lease.attempt)
-    args: list[tuple[Any, ...]] = [(m, True, *fence, None) for m in consolidated]
-    args += [(m, False, *fence, reason) for m, reason in failed.items()]
-    if args:
-        await pool.executemany(COMMIT_MARKER, args)
+) -> Marked:
+    """Mark a wave's finished memories (``failed`` maps each to its reason): ONE statement, one
+    round trip; returns what it marked (a memory already marked is not counted). Raises
+    LeaseLost when the attempt is no longer ours (nothing is marked)."""
+    if not consolidated and not failed:
+        return Marked(0, 0)
+    ids = [*consolidated, *failed]
+    oks = [True] * len(consolidated) + [False] * len(failed)
+    reasons = [None] * len(consolidated) + list(failed.values())
+    row = await pool.fetchrow(
+        COMMIT_MARKER, lease.operation_id, lease.worker_id, lease.attempt, ids, oks, reasons
+    )
+    assert row is not None
+    if not row["held"]:
+        raise LeaseLost(
+            f"operation {lease.operation_id} attempt {lease.attempt} is no longer ours: "
+            "its wave's markers were not written"
+        )
+    return Marked(row["consolidated"], row["failed"])
 
 
 # --- helpers -------------------------------------------------------------------------------

@@ -7,11 +7,18 @@ import asyncio
 import asyncpg
 
 from consolidation import db, queue
-from consolidation.engine import StopReason, StopSignal, run_operation
+from consolidation.engine import OperationEnd, StopReason, StopSignal, run_operation
 from consolidation.fake_llm import FakeLLMServer
 from consolidation.settings import Settings
-from tests.integration.engine_helpers import grew, http_llm, ingest, topics, wait_for
-from tests.integration.test_engine import APPLY_GATE
+from tests.integration.engine_helpers import (
+    APPLY_GATE,
+    grew,
+    http_llm,
+    ingest,
+    topics,
+    unretrieved_task_errors,
+    wait_for,
+)
 from tests.invariants import assert_consistent
 from tests.proxy import TcpProxy
 
@@ -72,4 +79,63 @@ async def test_a_pass_applied_while_its_operation_is_cancelled_is_marked_and_cou
     )
     result = await pool.fetchval("SELECT result FROM operations WHERE id = $1", lease.operation_id)
     assert marked > 0 and result["processed"] == marked
+    await assert_consistent(pool, allow_pending=True)
+
+
+async def test_cancels_delivered_again_and_again_to_many_operations_leave_no_applied_work_unmarked(
+    pool: asyncpg.Pool, fake: FakeLLMServer
+) -> None:
+    # Twelve banks run at once; each is asked to cancel through every path a worker has: the
+    # database row (seen by the lease keeper's heartbeats and by every wave close's progress
+    # write) and the LISTEN path (StopSignal.set), the latter again and again until its run
+    # ends. However often the cancel lands, each operation ends `cancelled` only after every
+    # wave close and every apply already sent: nothing journaled for all its scopes is left
+    # neither consolidated nor failed.
+    banks = [f"bank-{i}" for i in range(12)]
+    for bank in banks:
+        await ingest(pool, bank, topics(8, 10))
+    fake.control(latency_ms=3)
+    settings = Settings(wave_size=20, llm_batch_size=1, group_parallelism=4, lease_s=0.3)
+    llm = http_llm(fake.url)
+    runs: list[asyncio.Task[OperationEnd]] = []
+    with unretrieved_task_errors() as unretrieved:
+        try:
+            leases = [await queue.start_foreground(pool, bank, "test-worker", 30) for bank in banks]
+            stops = [StopSignal() for _ in banks]
+            runs = [
+                asyncio.create_task(run_operation(pool, lease, llm, settings, stop=stop))
+                for lease, stop in zip(leases, stops, strict=True)
+            ]
+            journal = (
+                "SELECT count(DISTINCT m.bank_id) FROM consolidation_outcomes o"
+                " JOIN memories m ON m.id = o.memory_id"
+            )
+            await wait_for(
+                lambda: grew(pool, journal, len(banks) - 1), what="every bank's first applies"
+            )
+            for lease in leases:
+                await queue.request_cancel(pool, lease.operation_id)
+            pending = set(runs)
+            while pending:
+                for stop, run in zip(stops, runs, strict=True):
+                    if run in pending:
+                        stop.set(StopReason.CANCEL)
+                _, pending = await asyncio.wait(pending, timeout=0.005)
+            ends = [run.result() for run in runs]
+        finally:
+            for run in runs:
+                run.cancel()
+            await asyncio.gather(*runs, return_exceptions=True)
+            await llm.aclose()
+    assert unretrieved == []
+    assert {end.status for end in ends} <= {"cancelled", "completed"}
+    assert any(end.status == "cancelled" for end in ends)
+    assert await pool.fetchval(FULLY_JOURNALED_BUT_UNMARKED) == 0
+    for end, lease in zip(ends, leases, strict=True):
+        marked = await pool.fetchval(
+            "SELECT count(*) FROM memories WHERE bank_id = $1"
+            " AND (consolidated_at IS NOT NULL OR consolidation_failed_at IS NOT NULL)",
+            lease.bank_id,
+        )
+        assert end.summary.processed == marked  # what was marked is what was counted
     await assert_consistent(pool, allow_pending=True)

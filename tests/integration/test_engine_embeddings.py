@@ -17,9 +17,8 @@ from consolidation.fake_llm import FakeLLMServer
 from consolidation.llm import Consolidator, LLMAnswer
 from consolidation.prompts import Chat
 from consolidation.settings import Settings
-from tests.integration.engine_helpers import http_llm, ingest, markers
+from tests.integration.engine_helpers import http_llm, ingest, logged_pool, markers
 from tests.integration.test_embedding_storage import OTHER_FACTS
-from tests.integration.test_engine import logged_pool
 from tests.invariants import assert_consistent
 
 TWIN = "Alice loves green tea"

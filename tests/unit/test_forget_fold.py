@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 
-from consolidation.forget import Derived, fold
+from consolidation.engine.forget import Derived, fold
 from consolidation.prompts import CreateAction, MergeAction, PassPlan, UpdateAction
 
 M = [uuid.uuid4() for _ in range(5)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import socket
 import time
@@ -15,6 +16,7 @@ from uuid import uuid4
 
 import orjson
 import pytest
+from aiohttp import web
 from prometheus_client import REGISTRY
 from structlog.testing import capture_logs
 
@@ -105,18 +107,11 @@ async def make_client() -> AsyncIterator[Callable[..., HTTPConsolidator]]:
         yield make
 
 
-@pytest.fixture(params=["plainhttp", "aiohttp"])
-def base_url(
-    request: pytest.FixtureRequest, fake: FakeLLMServer, monkeypatch: pytest.MonkeyPatch
-) -> str:
-    """The fake's base URL as each transport of the endpoint reaches it: directly (plain http:
-    the plainhttp client) or through a proxy (aiohttp; the fake takes a proxy's absolute-form
-    requests, and llm.invalid never resolves, so only the proxy can answer)."""
+@pytest.fixture
+def base_url(fake: FakeLLMServer, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The fake's base URL, reached directly (no proxy from the environment)."""
     _clear_proxy_env(monkeypatch)
-    if request.param == "plainhttp":
-        return fake.url
-    monkeypatch.setenv("HTTP_PROXY", fake.url.removesuffix("/v1"))
-    return "http://llm.invalid/v1"
+    return fake.url
 
 
 async def test_complete_returns_content_and_usage(
@@ -732,3 +727,52 @@ def test_a_retry_budget_shorter_than_the_timeout_is_rejected() -> None:
         HTTPConsolidator(
             base_url="http://127.0.0.1:1/v1", model="m", timeout_s=10, retry_budget_s=5
         )
+
+
+# --- the body cap ------------------------------------------------------------------------------
+
+
+async def test_an_answer_declared_over_the_body_cap_is_refused_as_transport_trouble(
+    fake: FakeLLMServer, base_url: str, make_client: Any
+) -> None:
+    # The fake pads a valid answer to 200 kB (its Content-Length says so); the cap is 100 kB.
+    fake.control(pad_bytes=200_000)
+    client = make_client(base_url, max_retries=1, max_response_bytes=100_000)
+    with pytest.raises(LLMRetriesExhausted, match="exceeds the cap of 100000 bytes") as caught:
+        await client.complete(chat("a fact"))
+    assert caught.value.attempts == 2  # retried like any transport fault, never "invalid"
+    assert fake.stats()["requests"] == 2
+    fake.control(pad_bytes=50_000)  # under the cap: read in full
+    answer = await client.complete(chat("a fact"))
+    assert len(answer.content) > 50_000
+
+
+async def test_a_streamed_answer_is_not_read_past_the_body_cap(make_client: Any) -> None:
+    # A peer that streams an endless body without a length: the client stops at the cap.
+    sent: list[int] = []
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "application/json"})
+        await response.prepare(request)
+        with contextlib.suppress(ConnectionError):
+            for _ in range(10_000):
+                await response.write(b" " * 65_536)
+                sent.append(65_536)
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", endless)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = runner.addresses[0][1]
+        client = make_client(
+            f"http://127.0.0.1:{port}/v1", max_retries=0, max_response_bytes=300_000
+        )
+        with pytest.raises(LLMRetriesExhausted, match="answer body of more exceeds the cap"):
+            await client.complete(chat("a fact"))
+    finally:
+        await runner.cleanup()
+    assert sum(sent) < 10_000 * 65_536  # the connection was dropped, not read to the end

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from consolidation.plan import GroupPlan, Pass, plan_wave, planned_passes
+from consolidation.engine.plan import GroupPlan, Pass, plan_wave, planned_passes
 from consolidation.scopes import Scope
 
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from consolidation.slots import Claim, SlotAllocator
+from consolidation.engine.slots import Claim, SlotAllocator
 
 
 async def settle() -> None:

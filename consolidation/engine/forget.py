@@ -29,20 +29,21 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
+import structlog
+
 from consolidation import metrics, queue, store
-from consolidation.engine import OperationRun, RunSummary, _first_error
+from consolidation.engine.asker import Asker
+from consolidation.engine.context import RunContext
+from consolidation.engine.outcome import first_error
+from consolidation.engine.plan import GroupPlan, Pass
+from consolidation.engine.stop import Checkpoint
+from consolidation.engine.summary import RunSummary
 from consolidation.errors import InvalidLLMOutput
 from consolidation.perf import PerfLog
-from consolidation.plan import GroupPlan, Pass
-from consolidation.prompts import (
-    FactInput,
-    ObservationInput,
-    PassPlan,
-    build_request,
-    pass_chat,
-    repair_chat,
-)
+from consolidation.prompts import FactInput, ObservationInput, PassPlan
 from consolidation.scopes import Scope
+
+log = structlog.get_logger("consolidation.engine")
 
 # An observation a re-derivation has made so far (written when the re-derivation is complete).
 Derived = store.DerivedObservation
@@ -121,19 +122,24 @@ class _Source:
     settled: bool = False  # answered (cited or not), or left out after unusable answers
 
 
-class ForgetRun(OperationRun):
-    """The run of a ``forget`` operation: the engine's stop protocol, lease and LLM client, with
-    its own flow (the module docstring)."""
+class ForgetRun:
+    """The run of a ``forget`` operation: the engine's stop checks, lease and model, with its
+    own flow (the module docstring)."""
 
-    summary: ForgetSummary
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, context: RunContext) -> None:
+        self.pool = context.pool
+        self.lease = context.lease
+        self.settings = context.settings
+        self.embedder = context.embedder
         self.summary = ForgetSummary()
+        self.asker = Asker(context.llm, self.lease.bank_id, self.settings.mission, self.embedder)
+        self.checkpoint = Checkpoint(context.stop, self.lease.operation_id)
+        self.log = log.bind(operation_id=str(self.lease.operation_id), bank_id=self.lease.bank_id)
         self._perf_lock = asyncio.Lock()
 
     async def run(self) -> RunSummary:
-        self.mission = await store.bank_mission(self.pool, self.lease.bank_id) or self.mission
+        mission = await store.bank_mission(self.pool, self.lease.bank_id)
+        self.asker.mission = mission or self.asker.mission
         forgotten = await store.forgotten_of_bank(self.pool, self.lease.bank_id)
         self.summary.total = len(forgotten)
         if not forgotten:
@@ -146,18 +152,18 @@ class ForgetRun(OperationRun):
 
         async def replace_one(observation: store.AffectedObservation) -> None:
             async with semaphore:
-                self._checkpoint()
+                self.checkpoint.check()
                 try:
                     await self._replace(observation, forgotten)
                 except BaseException:
-                    self._abort = True  # the others stop before their next pass
+                    self.checkpoint.abort()  # the others stop before their next pass
                     raise
 
         results = await asyncio.gather(*map(replace_one, shared), return_exceptions=True)
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
-            raise _first_error(errors)
-        self._checkpoint()
+            raise first_error(errors)
+        self.checkpoint.check()
         counts = await store.complete_forget(self.pool, self.lease, forgotten)
         self.summary.processed = counts["memories"]
         self.summary.observations_deleted += counts["observations_deleted"]
@@ -181,7 +187,7 @@ class ForgetRun(OperationRun):
         try:
             derived = await self._derive(observation.scope, sources, perf)
             if self.embedder is not None and derived:
-                vectors = await self._embed([d.text for d in derived], perf)
+                vectors = await self.asker.embed([d.text for d in derived], perf)
                 derived = [replace(d, embedding=v) for d, v in zip(derived, vectors, strict=True)]
         finally:
             async with self._perf_lock:
@@ -221,7 +227,7 @@ class ForgetRun(OperationRun):
             sources, self.settings.llm_batch_size, lambda s: () if s.settled else (scope,)
         )
         while (step := plan.next()) is not None:
-            self._checkpoint()
+            self.checkpoint.check()
             try:
                 answer = await self._ask_usable(scope, step, working, perf)
             except InvalidLLMOutput as exc:
@@ -247,24 +253,12 @@ class ForgetRun(OperationRun):
     ) -> PassPlan:
         shown = working[-self.settings.recall_limit :] if self.settings.recall_limit else []
         now = datetime.now(UTC)
-        request = build_request(
-            self.lease.bank_id,
+        request = self.asker.request(
             scope,
-            self.mission,
             [s.fact for s in step.members],
             [ObservationInput(d.id, d.text, len(d.memory_ids), now) for d in shown],
         )
-        chat = pass_chat(request)
-        for attempt in (1, 2):
-            try:
-                return await self._ask(request, chat, perf)
-            except InvalidLLMOutput as exc:
-                perf.llm_failures += 1
-                if attempt == 2:
-                    raise
-                chat = repair_chat(chat, exc)  # as the engine: the answer and its problems
-        raise AssertionError("unreachable")
+        return await self.asker.ask_usable(request, perf)
 
     async def _record_progress(self) -> None:
         await queue.record_progress(self.pool, self.lease, self.summary.progress())
-        self._report()

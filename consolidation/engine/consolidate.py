@@ -1,0 +1,72 @@
+"""A consolidation run: the parts of the engine put together for one claimed attempt."""
+
+from __future__ import annotations
+
+import structlog
+
+from consolidation import store
+from consolidation.engine.asker import Asker
+from consolidation.engine.context import RunContext
+from consolidation.engine.group import GroupRunner
+from consolidation.engine.openings import Openings
+from consolidation.engine.passes import PassRunner
+from consolidation.engine.recall import RecallPlanner
+from consolidation.engine.slots import SlotAllocator
+from consolidation.engine.stop import Checkpoint
+from consolidation.engine.summary import RunSummary
+from consolidation.engine.waves import WaveCloser, WavePipeline
+
+log = structlog.get_logger("consolidation.engine")
+
+
+class ConsolidateRun:
+    """Consolidate every pending memory of the lease's bank (within its scope filter); the
+    summary continues the one an earlier slice stored."""
+
+    def __init__(self, context: RunContext) -> None:
+        self.context = context
+        lease, settings = context.lease, context.settings
+        self.summary = RunSummary.resumed(lease.resumed)
+        bound = log.bind(operation_id=str(lease.operation_id), bank_id=lease.bank_id)
+        self.asker = Asker(context.llm, lease.bank_id, settings.mission, context.embedder)
+        checkpoint = Checkpoint(context.stop, lease.operation_id)
+        slots = SlotAllocator(settings.group_parallelism)
+        openings = Openings()
+        recalls = RecallPlanner(context.pool, self.asker, settings.recall_limit)
+        passes = PassRunner(context.pool, lease, self.asker, recalls, slots, checkpoint, bound)
+        groups = GroupRunner(
+            settings.llm_batch_size, passes, recalls, slots, openings, checkpoint, bound
+        )
+        self.closer = WaveCloser(
+            context.pool,
+            lease,
+            self.summary,
+            context.stop,
+            wave_size=settings.wave_size,
+            slice_s=context.slice_s,
+            on_progress=context.on_progress,
+            log=bound,
+        )
+        self.pipeline = WavePipeline(
+            context.pool,
+            lease,
+            wave_size=settings.wave_size,
+            batch_size=settings.llm_batch_size,
+            asker=self.asker,
+            recalls=recalls,
+            slots=slots,
+            openings=openings,
+            groups=groups,
+            closer=self.closer,
+            checkpoint=checkpoint,
+        )
+
+    async def run(self) -> RunSummary:
+        pool, lease = self.context.pool, self.context.lease
+        self.asker.mission = await store.bank_mission(pool, lease.bank_id) or self.asker.mission
+        self.summary.total = self.summary.processed + await store.count_pending(
+            pool, lease.bank_id, lease.scope_filter
+        )
+        self.closer.report()
+        await self.pipeline.run()
+        return self.summary
