@@ -2,7 +2,7 @@
 
 python -m bench all            # every target (about 15 minutes on 2 cores); updates docs
 python -m bench all --quick    # smaller banks, fewer repeats (a few minutes)
-python -m bench efficiency|lag|throughput|rss|profile [--quick]
+python -m bench efficiency|lag|throughput|rss|profile|realistic [--quick]
 python -m bench plan           # ideal times of several bank shapes, no database
 python -m bench fairness       # small banks' wait behind a 10,000-memory bank (one serve)
 python -m bench generate N > bank.jsonl   # a bank for `consolidation ingest`
@@ -62,6 +62,12 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             results["rss"] = await scenarios.rss(
                 bench, sizes, results["throughput"], args.loop, bank
             )
+        if what == "realistic":
+            from bench import realistic
+
+            results["realistic"] = await realistic.realistic(
+                bench, sizes, args.loop, bank, args.median_ms, args.p99_ms
+            )
         if what == "embeddings":
             async with pgvector_server(url, _log) as vector_url:
                 vector_bench = scenarios.Bench(vector_url, args.results_dir, _log)
@@ -99,6 +105,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(report.render_table(results))
     if "embeddings" in results:
         print(report.render_embeddings(results["embeddings"]))
+    if "realistic" in results:
+        from bench import realistic
+
+        print(realistic.render(results["realistic"]))
     print(f"\nJSON: {path}")
     write = args.docs if args.docs is not None else (args.command == "all" and not args.quick)
     if write:
@@ -188,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("rss", "peak RSS on the throughput bank and on a bank 10x larger"),
         ("profile", "the zero-latency run under py-spy and pyinstrument"),
         ("embeddings", "zero-latency memories/s and recall cost, embeddings off vs on"),
+        ("realistic", "efficiency at a real server's heavy-tailed latency (median 1 s, p99 8 s)"),
     ):
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--quick", action="store_true", help="smaller banks, fewer repeats")
@@ -226,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(
                 "--latency-ms", type=float, default=0.0, help="the fake LLM's latency (0)"
             )
+        if name == "realistic":
+            p.add_argument("--median-ms", type=float, default=1000.0, help="latency median")
+            p.add_argument("--p99-ms", type=float, default=8000.0, help="latency p99")
         p.set_defaults(handler=cmd_run)
     p = sub.add_parser("report", help="render a saved result again (and the docs block)")
     p.add_argument("json", type=Path, nargs="?", default=RESULTS / "latest-all.json")

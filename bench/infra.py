@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -141,7 +141,9 @@ class FakeLLM:
         pad_bytes: int = 0,
         seed: int = 1,
         log_path: Path,
+        extra_args: Sequence[str] = (),
     ) -> None:
+        self.extra_args = tuple(extra_args)
         self.latency_ms = latency_ms
         self.jitter_ms = jitter_ms
         self.pad_bytes = pad_bytes
@@ -168,6 +170,7 @@ class FakeLLM:
             str(self.pad_bytes),
             "--seed",
             str(self.seed),
+            *self.extra_args,
         ]
 
     def __enter__(self) -> FakeLLM:
@@ -218,6 +221,7 @@ class FakeLLM:
         response.raise_for_status()
         data: dict[str, Any] = response.json()
         calls = [c for c in data.pop("calls", []) if c["ended"] is not None]
+        data["call_intervals"] = [(c["started"], c["ended"], c["scope"]) for c in calls]
         # Time the fake spent on each call (its latency plus its own processing), as it saw it.
         served = sorted(c["ended"] - c["started"] for c in calls)
         data["in_flight_share"] = in_flight_share(calls)

@@ -285,6 +285,10 @@ def cmd_fake_llm(args: argparse.Namespace, settings: Settings) -> int:
         config = FakeLLMConfig(
             latency_ms=args.latency_ms,
             jitter_ms=args.jitter_ms,
+            latency_median_ms=args.latency_median_ms,
+            latency_p99_ms=args.latency_p99_ms,
+            ttft_ms=args.ttft_ms,
+            per_token_ms=args.per_token_ms,
             fail_rate=args.fail_rate,
             fail_status=args.fail_status,
             retry_after_s=args.retry_after,
@@ -358,6 +362,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--latency-ms", type=float, default=0.0)
     p.add_argument("--jitter-ms", type=float, default=0.0)
+    p.add_argument(
+        "--latency-median-ms",
+        type=float,
+        default=0.0,
+        help="a real server's heavy tail instead of --latency-ms/--jitter-ms: lognormal latency "
+        "with this median (and --latency-p99-ms)",
+    )
+    p.add_argument("--latency-p99-ms", type=float, default=0.0, help="the lognormal's p99")
+    p.add_argument("--ttft-ms", type=float, default=0.0, help="time to the first token, added")
+    p.add_argument(
+        "--per-token-ms", type=float, default=0.0, help="added per completion token of the answer"
+    )
     p.add_argument(
         "--fail-rate", type=float, default=0.0, help="fraction answered with --fail-status"
     )

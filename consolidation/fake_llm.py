@@ -50,6 +50,7 @@ import dataclasses
 import functools
 import heapq
 import itertools
+import math
 import random
 import socket
 import threading
@@ -114,6 +115,13 @@ class FakeLLMConfig:
     # latency is its whole service time).
     latency_ms: float = 0
     jitter_ms: float = 0
+    # A real server's shape instead (used when latency_median_ms > 0): a heavy-tailed base drawn
+    # from a lognormal with this median and 99th percentile, plus the time to the first token,
+    # plus the answer's tokens times the time per token. Seeded by ``seed`` like the rest.
+    latency_median_ms: float = 0
+    latency_p99_ms: float = 0
+    ttft_ms: float = 0
+    per_token_ms: float = 0
     fail_rate: float = 0.0
     fail_status: int = 503
     fail_when_contains: str | None = None
@@ -130,6 +138,10 @@ class FakeLLMConfig:
     envelope: str = "completion"
 
     def __post_init__(self) -> None:
+        if self.latency_median_ms > 0 and self.latency_p99_ms < self.latency_median_ms:
+            raise ValueError("the latency's p99 must be at least its median")
+        if min(self.latency_median_ms, self.ttft_ms, self.per_token_ms) < 0:
+            raise ValueError("latencies must not be negative")
         if self.dialect not in DIALECTS:
             raise ValueError(f"dialect must be one of {DIALECTS}, got {self.dialect!r}")
         if self.envelope not in ENVELOPES:
@@ -501,7 +513,7 @@ async def _serve(
     receive: Receive,
     closing: asyncio.Event,
     plan: _Plan,
-    respond: Callable[[], Response],
+    respond: Callable[[], tuple[Response, float]],
     finish: Callable[[int | None], None],
     since: float,
 ) -> Response:
@@ -512,10 +524,11 @@ async def _serve(
     postdates what the client saw."""
     status: int | None = None
     try:
-        answer = None if plan.hang else respond()
+        answer, token_s = (None, 0.0) if plan.hang else respond()
+        delay_s = plan.delay_s + token_s
         waited = "elapsed"
-        if plan.hang or plan.delay_s > 0:
-            waited = await _wait(receive, None if plan.hang else since + plan.delay_s, closing)
+        if plan.hang or delay_s > 0:
+            waited = await _wait(receive, None if plan.hang else since + delay_s, closing)
         if waited == "disconnect":
             # Nobody is listening any more; this response is never delivered.
             return Response(status_code=499)
@@ -530,6 +543,34 @@ async def _serve(
         return response
     finally:
         finish(status)
+
+
+# The z-score of the 99th percentile of a standard normal distribution.
+_Z99 = 2.3263478740408408
+
+
+def service_delay_s(config: FakeLLMConfig, rng: random.Random) -> float:
+    """The part of a call's service time known when it arrives: the base latency (fixed with
+    uniform jitter, or lognormal with the configured median and p99) plus the time to the
+    first token."""
+    if config.latency_median_ms > 0:
+        mu = math.log(config.latency_median_ms)
+        sigma = math.log(config.latency_p99_ms / config.latency_median_ms) / _Z99
+        base_ms = rng.lognormvariate(mu, sigma)
+    else:
+        base_ms = config.latency_ms + rng.uniform(-config.jitter_ms, config.jitter_ms)
+    return max(0.0, base_ms + config.ttft_ms) / 1000.0
+
+
+def _with_token_time(response: Response, config: FakeLLMConfig) -> tuple[Response, float]:
+    """``response`` and the time its completion tokens add (``per_token_ms`` each)."""
+    if config.per_token_ms <= 0 or response.status_code != 200:
+        return response, 0.0
+    try:
+        usage = orjson.loads(bytes(response.body)).get("usage") or {}
+    except (orjson.JSONDecodeError, AttributeError):
+        return response, 0.0
+    return response, int(usage.get("completion_tokens", 0)) * config.per_token_ms / 1000.0
 
 
 def _status_response(plan: _Plan) -> Response:
@@ -804,11 +845,7 @@ class _FakeLLM:
             )
             if refusal is not None:
                 return call, refusal
-            delay_s = max(
-                0.0,
-                (config.latency_ms + self._rng.uniform(-config.jitter_ms, config.jitter_ms))
-                / 1000.0,
-            )
+            delay_s = service_delay_s(config, self._rng)
             poison = config.fail_when_contains
             if poison is not None and poison.encode() in body:
                 return call, _Plan(delay_s=delay_s, status=config.fail_when_status)
@@ -838,7 +875,7 @@ class _FakeLLM:
             request.receive,
             self._closing_event(),
             plan,
-            lambda: self._respond(parsed, plan),
+            lambda: _with_token_time(self._respond(parsed, plan), plan.config),
             lambda status: self._finish(call, status),
             call.record["started"],
         )
@@ -1040,7 +1077,7 @@ class _FakeEmbeddings:
             request.receive,
             self._owner._closing_event(),
             plan,
-            lambda: _embeddings_response(plan, inputs, model, dimensions),
+            lambda: (_embeddings_response(plan, inputs, model, dimensions), 0.0),
             lambda status: self._finish(record, status),
             record["started"],
         )
