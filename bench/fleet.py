@@ -13,8 +13,8 @@ a bounded time to drain.
 Measured per replica count, over the steady part of the load (its first fifth is warm-up):
 throughput (memories whose ``consolidated_at`` falls in the window, per second); freshness
 (``consolidated_at − created_at`` of the memories created in the window, both stamped by
-Postgres; one still pending at the end counts with its age then, so a percentile it reaches
-is a lower bound, shown ``≥``); connections to the database (``pg_stat_activity``, sampled
+Postgres; one still pending at the end ranks above every consolidated one, so a percentile
+that reaches it is a lower bound, shown ``≥``); connections to the database (``pg_stat_activity``, sampled
 twice a second: open and active); CPU of each replica (``/proc/<pid>/stat``) and of the
 Postgres backends serving the database (the same, for every backend ``pg_stat_activity`` shows
 for it, sampled likewise); calls in flight at the fake against ``LLM_MAX_CONCURRENT`` × replicas
@@ -113,13 +113,16 @@ class Latency:
 # ---------------------------------------------------------------------------- pure parts
 
 
+def _rank(n: int, q: float) -> int:
+    """The 1-based nearest rank of the ``q`` quantile among ``n`` values."""
+    return max(1, math.ceil(q * n))
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """The ``q`` quantile (0–1) by nearest rank: a value that was observed."""
     if not values:
         return math.nan
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q * len(ordered)))
-    return ordered[rank - 1]
+    return sorted(values)[_rank(len(values), q) - 1]
 
 
 @dataclass(frozen=True)
@@ -142,15 +145,11 @@ def freshness(done_s: Sequence[float], pending_age_s: Sequence[float]) -> Freshn
     values = sorted(done_s)
     pending = sorted(pending_age_s)
     everything = values + [max(values[-1] if values else 0.0, p) for p in pending]
-    n = len(everything)
-    results = []
-    bounds = []
-    for q in (0.5, 0.95, 0.99):
-        rank = max(1, math.ceil(q * n)) if n else 0
-        results.append(everything[rank - 1] if n else math.nan)
-        bounds.append(n > 0 and rank > len(values))
+    quantiles = (0.5, 0.95, 0.99)
+    p50, p95, p99 = (percentile(everything, q) for q in quantiles)
+    bounds = tuple(bool(everything) and _rank(len(everything), q) > len(values) for q in quantiles)
     return Freshness(
-        results[0], results[1], results[2], (bounds[0], bounds[1], bounds[2]), n, len(pending)
+        p50, p95, p99, (bounds[0], bounds[1], bounds[2]), len(everything), len(pending)
     )
 
 
