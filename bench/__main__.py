@@ -5,6 +5,7 @@ python -m bench all --quick    # smaller banks, fewer repeats (a few minutes)
 python -m bench efficiency|lag|throughput|rss|profile|realistic [--quick]
 python -m bench plan           # ideal times of several bank shapes, no database
 python -m bench fairness       # small banks' wait behind a 10,000-memory bank (one serve)
+python -m bench fleet [--quick]   # 1, 2 and 4 serve replicas on one Postgres, 200 banks via the API
 python -m bench generate N > bank.jsonl   # a bank for `consolidation ingest`
 python -m bench recall         # recall quality: full text vs hybrid, all-MiniLM-L6-v2 on CPU
 python -m bench minilm [--check | --port N]   # that model behind /v1/embeddings
@@ -25,7 +26,7 @@ from typing import Any
 
 import orjson
 
-from bench import fairness, realmodel, report, scenarios
+from bench import fairness, fleet, realmodel, report, scenarios
 from bench.infra import pgvector_server
 from bench.workload import BankShape, generate
 
@@ -250,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memories", type=int, default=1600)
     p.set_defaults(handler=cmd_plan)
     fairness.add_parser(sub)
+    fleet.add_parser(sub)
     p = sub.add_parser("generate", help="write a bank as JSONL (for `consolidation ingest`)")
     p.add_argument("memories", type=int)
     p.add_argument("--groups", type=int, default=64)
