@@ -17,6 +17,8 @@ import structlog
 from prometheus_client import Counter, Gauge, Histogram
 
 __all__ = [
+    "BANK_TOKENS",
+    "BUDGET_PAUSES",
     "EMBEDDING_INPUTS",
     "EMBEDDING_LATENCY",
     "EMBEDDING_REQUESTS",
@@ -102,6 +104,17 @@ OPERATION_SLICES = Counter(
     "consolidation_operation_slices",
     "Operations that gave their worker slot up at the end of a time slice because others waited "
     "(CONSOLIDATION_OPERATION_SLICE_S); they continue later under the same id.",
+)
+BANK_TOKENS = Counter(
+    "consolidation_bank_tokens",
+    "Prompt and completion tokens the passes of each bank's consolidations used, recorded when "
+    "each wave closes (what CONSOLIDATION_BANK_TOKEN_BUDGET is counted against).",
+    ["bank_id"],
+)
+BUDGET_PAUSES = Counter(
+    "consolidation_budget_pauses",
+    "Operations handed back to pending because their bank's token budget was used; they "
+    "resume under the same id once the rolling 24 h window frees enough.",
 )
 SWEPT = Counter(
     "consolidation_sweeper_enqueued",

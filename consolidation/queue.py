@@ -614,10 +614,12 @@ YIELD = f"""
 UPDATE operations
 SET status = CASE WHEN cancel_requested_at IS NULL THEN 'pending' ELSE 'cancelled' END,
     finished_at = CASE WHEN cancel_requested_at IS NULL THEN NULL ELSE now() END,
-    error = CASE WHEN cancel_requested_at IS NULL THEN NULL ELSE 'cancelled on request' END,
+    error = CASE WHEN cancel_requested_at IS NULL THEN $7::text ELSE 'cancelled on request' END,
+    last_error = CASE WHEN $7::text IS NULL THEN last_error ELSE $7::text END,
+    last_error_at = CASE WHEN $7::text IS NULL THEN last_error_at ELSE now() END,
     attempt = attempt - 1,
     priority = GREATEST(priority, $4),
-    run_after = now(),
+    run_after = now() + make_interval(secs => $6),
     result = $5,
     worker_id = NULL, lease_expires_at = NULL
 WHERE {FENCE}
@@ -625,10 +627,18 @@ RETURNING status
 """
 
 
-async def yield_operation(pool: asyncpg.Pool, lease: Lease, result: dict[str, Any]) -> str:
-    """Hand a running operation back to ``pending`` behind the operations that are due now, same
-    id, no attempt spent, ``result`` kept for its next attempt to continue; ``cancelled`` if a
-    cancel was asked meanwhile. Returns the new status. Raises LeaseLost."""
+async def yield_operation(
+    pool: asyncpg.Pool,
+    lease: Lease,
+    result: dict[str, Any],
+    *,
+    delay_s: float = 0.0,
+    note: str | None = None,
+) -> str:
+    """Hand a running operation back to ``pending`` behind the operations that are due now (or
+    due after ``delay_s``), same id, no attempt spent, ``result`` kept for its next attempt to
+    continue; ``note`` (why it waits) is its ``error`` and ``last_error`` meanwhile; ``cancelled``
+    if a cancel was asked meanwhile. Returns the new status. Raises LeaseLost."""
     async with pool.acquire() as conn, conn.transaction():
         me = await conn.fetchrow(YIELDING, *_fence_args(lease))
         if me is None:
@@ -640,7 +650,12 @@ async def yield_operation(pool: asyncpg.Pool, lease: Lease, result: dict[str, An
             rows = await conn.fetch(ABSORB_NEWER, lease.bank_id, lease.operation_id)
             absorbed = [r["priority"] for r in rows]
         status = await conn.fetchval(
-            YIELD, *_fence_args(lease), max(absorbed, default=-(2**31)), result
+            YIELD,
+            *_fence_args(lease),
+            max(absorbed, default=-(2**31)),
+            result,
+            delay_s,
+            note,
         )
     return str(status)
 

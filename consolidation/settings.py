@@ -113,6 +113,13 @@ class Settings(BaseSettings):
         description="A running operation yields its worker slot at a wave boundary after this "
         "long when other operations wait; 0 never yields.",
     )
+    bank_token_budget: int | None = Field(
+        default=None,
+        ge=0,
+        description="Prompt and completion tokens a bank may use in any rolling 24 hours; unset "
+        "= no limit. A bank's own budget (PUT /v1/banks/{bank_id}/token-budget) overrides it. An "
+        "operation over it pauses at a batch boundary and resumes when the window frees enough.",
+    )
 
     http_host: str = "127.0.0.1"
     http_port: int = Field(default=8080, ge=0, le=65535)

@@ -13,7 +13,7 @@ from types import TracebackType
 import asyncpg
 import structlog
 
-from consolidation import db, metrics, queue
+from consolidation import budgets, db, metrics, queue
 from consolidation.embeddings import Embedder
 from consolidation.engine.consolidate import ConsolidateRun
 from consolidation.engine.context import Run, RunContext
@@ -110,7 +110,8 @@ async def run_operation(
 
     completed → ``completed``; cancel → ``cancelled``; shutdown → back to ``pending`` without
     spending an attempt; after ``slice_s`` with other operations waiting → back to ``pending``
-    behind them, no attempt spent, progress kept; LLM configuration error → ``failed`` at once;
+    behind them, no attempt spent, progress kept; its bank's token budget used → back to
+    ``pending`` until the window frees enough, no attempt spent, progress kept; LLM configuration error → ``failed`` at once;
     other errors → back to ``pending`` with backoff until ``max_attempts``, then ``failed``; lost
     lease → no write. With an ``embedder``, recall is hybrid and observations are stored with
     their vectors (the database must have them: embeddings.require_vector_storage); its faults
@@ -222,6 +223,8 @@ async def _record_end(
             slices=slices,
         )
         return OperationEnd(status, summary, None if status == "pending" else "cancelled")
+    if kind is EndKind.PAUSED:
+        return await _pause(pool, lease, settings, summary, result)
     if kind is EndKind.SHUT_DOWN:
         status = await queue.release(
             pool, lease, delay_s=0, error=message, refund_attempt=True, result=result
@@ -255,3 +258,43 @@ async def _record_end(
         pool, lease, delay_s=decision.delay_s, error=message, refund_attempt=False, result=result
     )
     return OperationEnd(status, summary, message)
+
+
+async def _pause(
+    pool: asyncpg.Pool,
+    lease: Lease,
+    settings: Settings,
+    summary: RunSummary,
+    result: dict[str, object],
+) -> OperationEnd:
+    """Hand the operation back until its bank's rolling window frees enough for a pass, saying so
+    in its ``error`` (and ``last_error``); no attempt spent, the progress kept."""
+    window = await budgets.window(pool, lease.bank_id, settings.bank_token_budget)
+    limit = window.limit if window is not None else None
+    used = window.used if window is not None else 0
+    resumes = None if limit is None else await budgets.frees_at(pool, lease.bank_id, limit)
+    now = await pool.fetchval("SELECT now()")
+    if limit is None:  # the budget was lifted meanwhile
+        delay_s, message = 0.0, f"{budgets.PAUSE_PREFIX} lifted; resumes at once"
+    elif resumes is None:  # a budget of 0: looked at again once a window has passed
+        delay_s = budgets.WINDOW_S
+        message = f"{budgets.PAUSE_PREFIX} of 0 tokens per 24 h; waits for a budget change"
+    else:
+        delay_s = max((resumes - now).total_seconds(), 0.0)
+        message = (
+            f"{budgets.PAUSE_PREFIX} {used}/{limit} tokens per 24 h used; "
+            f"resumes at {resumes.isoformat(timespec='seconds')}"
+        )
+    status = await queue.yield_operation(pool, lease, result, delay_s=delay_s, note=message)
+    metrics.BUDGET_PAUSES.inc()
+    log.info(
+        "operation_paused",
+        operation_id=str(lease.operation_id),
+        bank_id=lease.bank_id,
+        status=status,
+        used=used,
+        limit=limit,
+        delay_s=round(delay_s, 3),
+        **summary.progress(),
+    )
+    return OperationEnd(status, summary, message if status == "pending" else "cancelled")

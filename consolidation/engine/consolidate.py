@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import structlog
 
-from consolidation import store
+from consolidation import budgets, store
 from consolidation.engine.asker import Asker
+from consolidation.engine.budget import TokenBudget
 from consolidation.engine.context import RunContext
 from consolidation.engine.group import GroupRunner
 from consolidation.engine.openings import Openings
@@ -20,8 +21,8 @@ log = structlog.get_logger("consolidation.engine")
 
 
 class ConsolidateRun:
-    """Consolidate every pending memory of the lease's bank (within its scope filter); the
-    summary continues the one an earlier slice stored."""
+    """Consolidate every pending memory of the lease's bank (within its scope filter), pausing
+    once its token budget is used; the summary continues the one an earlier slice stored."""
 
     def __init__(self, context: RunContext) -> None:
         self.context = context
@@ -29,7 +30,8 @@ class ConsolidateRun:
         self.summary = RunSummary.resumed(lease.resumed)
         bound = log.bind(operation_id=str(lease.operation_id), bank_id=lease.bank_id)
         self.asker = Asker(context.llm, lease.bank_id, settings.mission, context.embedder)
-        checkpoint = Checkpoint(context.stop, lease.operation_id)
+        self.budget = TokenBudget(setting=settings.bank_token_budget)
+        checkpoint = Checkpoint(context.stop, lease.operation_id, self.budget)
         slots = SlotAllocator(settings.group_parallelism)
         openings = Openings()
         recalls = RecallPlanner(context.pool, self.asker, settings.recall_limit)
@@ -46,6 +48,7 @@ class ConsolidateRun:
             slice_s=context.slice_s,
             on_progress=context.on_progress,
             log=bound,
+            budget=self.budget,
         )
         self.pipeline = WavePipeline(
             context.pool,
@@ -64,6 +67,7 @@ class ConsolidateRun:
     async def run(self) -> RunSummary:
         pool, lease = self.context.pool, self.context.lease
         self.asker.mission = await store.bank_mission(pool, lease.bank_id) or self.asker.mission
+        self.budget.window = await budgets.window(pool, lease.bank_id, self.budget.setting)
         self.summary.total = self.summary.processed + await store.count_pending(
             pool, lease.bank_id, lease.scope_filter
         )

@@ -89,6 +89,7 @@ class GroupRunner:
                 if opening is not None:
                     perf += opening
                     opening = None
+                checkpoint.mind_budget()
                 if not (ahead is not None and ahead.answer is not None and checkpoint.graceful()):
                     # A pass whose call is already under way is a running pass: a shutdown or
                     # the end of a slice lets it finish (and apply); nothing new starts.

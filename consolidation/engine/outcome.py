@@ -39,6 +39,7 @@ class EndKind(enum.Enum):
     CANCELLED = "cancelled"  # finished: ``cancelled``
     YIELDED = "yielded"  # slice over: back to pending behind the waiting ones, progress kept
     SHUT_DOWN = "shut_down"  # back to pending at once, no attempt spent
+    PAUSED = "paused"  # token budget used: back to pending until the window frees, progress kept
     INTERRUPTED = "interrupted"  # the database was unreachable: back later, no attempt spent
     FAILED = "failed"  # finished: ``failed``
     RETRY = "retry"  # back to pending after ``delay_s``, the attempt spent
@@ -70,6 +71,8 @@ def decide_end(
         return EndDecision(EndKind.CANCELLED, CANCELLED_MESSAGE)
     if stop_reason is StopReason.SLICE:
         return EndDecision(EndKind.YIELDED)
+    if stop_reason is StopReason.BUDGET:
+        return EndDecision(EndKind.PAUSED)
     if stop_reason is StopReason.SHUTDOWN:
         return EndDecision(EndKind.SHUT_DOWN, SHUTDOWN_MESSAGE)
     message = describe(error)

@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import enum
 import uuid
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from consolidation.errors import LeaseLost, OperationCancelled
+
+if TYPE_CHECKING:
+    from consolidation.engine.budget import TokenBudget
 
 T = TypeVar("T")
 
@@ -21,6 +24,9 @@ class StopReason(enum.Enum):
     # The operation ran past its time slice while others wait: like a shutdown, running passes
     # finish and nothing new starts; it goes back to pending with its progress (fairness).
     SLICE = "slice"
+    # The bank's token budget is used: like a slice's end, running passes finish and nothing new
+    # starts; it goes back to pending until the rolling window frees enough.
+    BUDGET = "budget"
 
     @property
     def aborts_at_once(self) -> bool:
@@ -63,7 +69,8 @@ class StopSignal:
 
 
 class Interrupted(Exception):
-    """Stop before the next pass because the worker is shutting down or the slice is over."""
+    """Stop before the next pass because the worker is shutting down, the slice is over or the
+    bank's token budget is used."""
 
 
 class SiblingFailed(Exception):
@@ -71,13 +78,23 @@ class SiblingFailed(Exception):
 
 
 class Checkpoint:
-    """The stop checks of one run: its :class:`StopSignal`, and whether one of its units of work
-    failed for good (then the others stop before their next pass, :meth:`abort`)."""
+    """The stop checks of one run: its :class:`StopSignal`, whether one of its units of work
+    failed for good (then the others stop before their next pass, :meth:`abort`), and its bank's
+    token budget, if it has one to mind."""
 
-    def __init__(self, signal: StopSignal, operation_id: uuid.UUID) -> None:
+    def __init__(
+        self, signal: StopSignal, operation_id: uuid.UUID, budget: TokenBudget | None = None
+    ) -> None:
         self.signal = signal
         self.operation_id = operation_id
+        self.budget = budget
         self.aborted = False
+
+    def mind_budget(self) -> None:
+        """Before a pass starts: a used token budget stops the run as gracefully as a slice's end
+        (running passes finish, their markers are committed)."""
+        if self.budget is not None and self.signal.reason is None and self.budget.exhausted():
+            self.signal.set(StopReason.BUDGET)
 
     def abort(self) -> None:
         """A unit of work failed for good: the others stop before their next pass."""
@@ -85,6 +102,7 @@ class Checkpoint:
 
     def check(self) -> None:
         """Raise the stop that applies now, if any; called before every pass and every wave."""
+        self.mind_budget()
         reason = self.signal.reason
         if reason is StopReason.CANCEL:
             raise OperationCancelled("cancel requested")
@@ -94,11 +112,14 @@ class Checkpoint:
             raise Interrupted("worker shutting down")
         if reason is StopReason.SLICE:
             raise Interrupted("time slice over")
+        if reason is StopReason.BUDGET:
+            raise Interrupted("token budget used")
         if self.aborted:
             raise SiblingFailed()
 
     def graceful(self) -> bool:
-        """The operation stops, letting running passes finish (a shutdown, a slice's end)."""
+        """The operation stops, letting running passes finish (a shutdown, a slice's end, a
+        used token budget)."""
         reason = self.signal.reason
         return reason is not None and not reason.aborts_at_once
 

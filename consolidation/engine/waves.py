@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 import asyncpg
 import structlog
 
-from consolidation import metrics, queue, store
+from consolidation import budgets, metrics, queue, store
 from consolidation.engine.asker import Asker
+from consolidation.engine.budget import TokenBudget
 from consolidation.engine.group import GroupRunner
 from consolidation.engine.member import BatchReport, MemoryState
 from consolidation.engine.openings import Openings
@@ -35,8 +36,8 @@ MAX_WAVES_IN_FLIGHT = 4
 
 class WaveCloser:
     """Closes the waves of one run, one at a time: the batches' perf and log lines, the wave's
-    markers (one statement), the summary and the stored progress; then whether to stop (a cancel
-    seen in the progress write, a slice over)."""
+    markers (one statement), the tokens its passes used, the summary and the stored progress;
+    then whether to stop (a cancel seen in the progress write, a slice over)."""
 
     def __init__(
         self,
@@ -49,8 +50,10 @@ class WaveCloser:
         slice_s: float | None,
         on_progress: ProgressCallback | None,
         log: structlog.typing.FilteringBoundLogger,
+        budget: TokenBudget | None = None,
     ) -> None:
         self.pool = pool
+        self.budget = budget or TokenBudget()
         self.lease = lease
         self.summary = summary
         self.stop = stop
@@ -95,6 +98,7 @@ class WaveCloser:
                         scopes=[list(s) for s in report.scopes],
                         **report.perf.to_dict(),
                     )
+            await self._record_tokens(number, reports)
             consolidated = [s.memory.id for s in states if s.finished()]
             failed = {s.memory.id: s.failure for s in states if s.failure is not None}
             try:
@@ -133,6 +137,20 @@ class WaveCloser:
             elif await self._slice_over(full_wave=len(states) >= self.wave_size):
                 self.stop.set(StopReason.SLICE)
             self.report()
+
+    async def _record_tokens(self, number: int, reports: Sequence[Sequence[BatchReport]]) -> None:
+        """Record the tokens the wave's passes used against the bank's budget — before the
+        markers, whose fence does not matter here: the tokens were spent either way."""
+        tokens = sum(
+            r.perf.prompt_tokens + r.perf.completion_tokens for group in reports for r in group
+        )
+        window = None
+        if tokens > 0:
+            window = await budgets.record_usage(
+                self.pool, self.lease.bank_id, self.lease.operation_id, tokens, self.budget.setting
+            )
+            metrics.BANK_TOKENS.labels(bank_id=self.lease.bank_id).inc(tokens)
+        self.budget.recorded(number, window)
 
     def _lost(self, number: int, write: str) -> None:
         """A fenced write of the close matched nothing: another worker owns the attempt now."""
@@ -279,6 +297,7 @@ class WavePipeline:
         )
         groups = plan_wave(states, self.batch_size, MemoryState.remaining)
         reports: list[list[BatchReport]] = [[] for _ in groups]
+        self.closer.budget.track(number, reports)
         tasks = []
         for index, group in enumerate(groups):
             scopes = {s for m in group for s in m.todo}
