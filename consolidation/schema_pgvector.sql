@@ -456,10 +456,30 @@ CREATE TABLE public.alembic_version (
     version_num character varying(32) NOT NULL
 );
 
+CREATE TABLE public.bank_token_usage (
+    id bigint NOT NULL,
+    bank_id text NOT NULL,
+    operation_id uuid,
+    tokens bigint NOT NULL,
+    used_at timestamp with time zone DEFAULT now() NOT NULL,
+    CONSTRAINT bank_token_usage_tokens_check CHECK ((tokens > 0))
+);
+
+ALTER TABLE public.bank_token_usage ALTER COLUMN id ADD GENERATED ALWAYS AS IDENTITY (
+    SEQUENCE NAME public.bank_token_usage_id_seq
+    START WITH 1
+    INCREMENT BY 1
+    NO MINVALUE
+    NO MAXVALUE
+    CACHE 1
+);
+
 CREATE TABLE public.banks (
     id text NOT NULL,
     mission text,
-    created_at timestamp with time zone DEFAULT now() NOT NULL
+    created_at timestamp with time zone DEFAULT now() NOT NULL,
+    token_budget bigint,
+    CONSTRAINT banks_token_budget_check CHECK ((token_budget >= 0))
 );
 
 CREATE TABLE public.consolidation_outcomes (
@@ -578,6 +598,9 @@ ALTER TABLE ONLY public.observation_history ALTER COLUMN id SET DEFAULT nextval(
 ALTER TABLE ONLY public.alembic_version
     ADD CONSTRAINT alembic_version_pkc PRIMARY KEY (version_num);
 
+ALTER TABLE ONLY public.bank_token_usage
+    ADD CONSTRAINT bank_token_usage_pkey PRIMARY KEY (id);
+
 ALTER TABLE ONLY public.banks
     ADD CONSTRAINT banks_pkey PRIMARY KEY (id);
 
@@ -604,6 +627,8 @@ ALTER TABLE ONLY public.observations
 
 ALTER TABLE ONLY public.operations
     ADD CONSTRAINT operations_pkey PRIMARY KEY (id);
+
+CREATE INDEX bank_token_usage_window_idx ON public.bank_token_usage USING btree (bank_id, used_at);
 
 CREATE INDEX consolidation_outcomes_operation_idx ON public.consolidation_outcomes USING btree (operation_id);
 
@@ -644,6 +669,9 @@ CREATE UNIQUE INDEX operations_one_running_per_bank ON public.operations USING b
 CREATE UNIQUE INDEX operations_one_unscoped_pending_per_bank ON public.operations USING btree (bank_id) WHERE ((status = 'pending'::text) AND (scope_filter IS NULL) AND (kind = 'consolidate'::text));
 
 CREATE INDEX operations_status_created_idx ON public.operations USING btree (status, created_at DESC, id DESC);
+
+ALTER TABLE ONLY public.bank_token_usage
+    ADD CONSTRAINT bank_token_usage_bank_id_fkey FOREIGN KEY (bank_id) REFERENCES public.banks(id) ON DELETE CASCADE;
 
 ALTER TABLE ONLY public.consolidation_outcomes
     ADD CONSTRAINT consolidation_outcomes_memory_id_fkey FOREIGN KEY (memory_id) REFERENCES public.memories(id) ON DELETE CASCADE;
