@@ -24,7 +24,7 @@ from starlette.responses import Response
 
 import consolidation
 import consolidation.metrics  # registers the project's metrics, so /metrics lists them
-from consolidation import db, queue, store
+from consolidation import budgets, db, queue, store
 from consolidation.api_docs import add_docs_routes
 from consolidation.api_errors import (
     ApiError,
@@ -61,6 +61,8 @@ from consolidation.api_models import (
     RecoverResponse,
     StatsResponse,
     StatusResponse,
+    TokenBudgetRequest,
+    TokenBudgetResponse,
     cursor_query,
     error_responses,
 )
@@ -307,6 +309,30 @@ def _add_v1_routes(router: fastapi.APIRouter, settings: Settings, pool: asyncpg.
         await require_bank(pool, bank_id)
         return StatsResponse(**_stats_json(await store.bank_stats(pool, bank_id)))
 
+    @router.get(
+        "/v1/banks/{bank_id}/token-budget",
+        response_model=TokenBudgetResponse,
+        summary="A bank's token budget",
+    )
+    async def get_token_budget(bank_id: BankId) -> TokenBudgetResponse:
+        """The budget that applies to the bank, whose it is, the tokens used in the rolling 24 h
+        window and, while it is used up, when the bank's operations resume."""
+        check_bank_id(bank_id)
+        return await _token_budget(pool, bank_id, settings.bank_token_budget)
+
+    @router.put(
+        "/v1/banks/{bank_id}/token-budget",
+        response_model=TokenBudgetResponse,
+        summary="Set a bank's token budget",
+    )
+    async def set_token_budget(bank_id: BankId, body: TokenBudgetRequest) -> TokenBudgetResponse:
+        """Set the bank's own budget (created if new), or null to follow
+        CONSOLIDATION_BANK_TOKEN_BUDGET again; operations paused by the budget look again at
+        once. Answers like the GET."""
+        check_bank_id(bank_id)
+        await budgets.set_bank_budget(pool, bank_id, body.tokens_per_24h)
+        return await _token_budget(pool, bank_id, settings.bank_token_budget)
+
     @router.post(
         "/v1/banks/{bank_id}/memories/recover",
         response_model=RecoverResponse,
@@ -436,6 +462,24 @@ def _add_probe_routes(
 
 
 # --- helpers ---------------------------------------------------------------------------------
+
+
+async def _token_budget(
+    pool: asyncpg.Pool, bank_id: str, setting: int | None
+) -> TokenBudgetResponse:
+    window = await budgets.window(pool, bank_id, setting)
+    if window is None:
+        raise ApiError(404, "bank_not_found", f"bank {bank_id!r} does not exist")
+    resumes_at = None
+    if window.limit is not None and window.exhausted:
+        resumes_at = await budgets.frees_at(pool, bank_id, window.limit)
+    return TokenBudgetResponse(
+        bank_id=bank_id,
+        tokens_per_24h=window.limit,
+        source=window.source,
+        used_24h=window.used,
+        resumes_at=resumes_at,
+    )
 
 
 def _stats_json(stats: store.BankStats) -> dict[str, Any]:

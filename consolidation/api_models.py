@@ -29,6 +29,7 @@ MAX_MEMORIES_PER_REQUEST = 1000
 MAX_SCOPES_PER_REQUEST = 100
 MAX_PRIORITY = 1000
 MAX_PAGE = 1000
+MAX_TOKEN_BUDGET = 10**15  # far above any real budget, well inside the column's bigint
 
 # Tags are checked by scopes.tag_problem, the one rule for the API, the CLI and ingestion; the
 # pattern only documents that rule in /openapi.json (tests/unit/test_api_models.py keeps them in
@@ -199,6 +200,29 @@ class BankOut(StatsResponse):
 class BanksPage(BaseModel):
     banks: list[BankOut] = Field(description="Ordered by bank id.")
     next_cursor: str | None = Field(description="Pass as ?cursor= for the next page; null at end.")
+
+
+class TokenBudgetRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    tokens_per_24h: Annotated[int, Field(ge=0, le=MAX_TOKEN_BUDGET)] | None = Field(
+        description="Prompt and completion tokens the bank may use in any rolling 24 hours "
+        "(0 stops it); null follows CONSOLIDATION_BANK_TOKEN_BUDGET again."
+    )
+
+
+class TokenBudgetResponse(BaseModel):
+    bank_id: str
+    tokens_per_24h: int | None = Field(description="The budget that applies; null: no limit.")
+    source: Literal["bank", "setting", "none"] = Field(
+        description="bank (set through this route), setting (CONSOLIDATION_BANK_TOKEN_BUDGET) or "
+        "none (no limit)."
+    )
+    used_24h: int = Field(description="Tokens the bank's consolidations used in the last 24 h.")
+    resumes_at: datetime | None = Field(
+        description="While the budget is used: when the window frees enough for the bank's "
+        "operations to resume (null for a budget of 0, or when it is not used up)."
+    )
 
 
 class RecoverResponse(BaseModel):

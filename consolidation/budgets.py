@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Literal
 
 import asyncpg
 
@@ -70,7 +71,7 @@ class Window:
     consolidations used in the last 24 hours."""
 
     limit: int | None
-    source: str  # "bank" | "setting" | "none"
+    source: Literal["bank", "setting", "none"]
     used: int
 
     @property

@@ -47,6 +47,7 @@ from consolidation.api_models import (
     OperationStatus,
     RecoverResponse,
     StatsResponse,
+    TokenBudgetResponse,
 )
 from consolidation.store import BankCounts
 
@@ -277,6 +278,10 @@ def _ingest(bank_id: str, memories: Sequence[Memory]) -> _Call:
     return _Call("POST", f"/v1/banks/{_segment(bank_id)}/memories", body={"memories": items})
 
 
+def _token_budget(bank_id: str) -> str:
+    return f"/v1/banks/{_segment(bank_id)}/token-budget"
+
+
 def _submit(bank_id: str, scopes: Sequence[Sequence[str]] | None, priority: int | None) -> _Call:
     body: dict[str, Any] = {}
     if scopes is not None:
@@ -487,6 +492,16 @@ class Client:
     def stats(self, bank_id: str) -> StatsResponse:
         return self._request(_Call("GET", f"/v1/banks/{_segment(bank_id)}/stats"), StatsResponse)
 
+    def token_budget(self, bank_id: str) -> TokenBudgetResponse:
+        """The bank's token budget, whose it is, its tokens used in the last 24 h and, while it
+        is used up, when its operations resume."""
+        return self._request(_Call("GET", _token_budget(bank_id)), TokenBudgetResponse)
+
+    def set_token_budget(self, bank_id: str, tokens_per_24h: int | None) -> TokenBudgetResponse:
+        """Set the bank's own token budget (None: follow the service's setting again)."""
+        call = _Call("PUT", _token_budget(bank_id), body={"tokens_per_24h": tokens_per_24h})
+        return self._request(call, TokenBudgetResponse)
+
     def list_banks(self, *, page_size: int = DEFAULT_PAGE_SIZE) -> Iterator[BankOut]:
         """Every bank with its stats, ordered by bank id."""
         return self._paged(lambda cursor: _banks(page_size, cursor), BanksPage, lambda p: p.banks)
@@ -656,6 +671,17 @@ class AsyncClient:
         return await self._request(
             _Call("GET", f"/v1/banks/{_segment(bank_id)}/stats"), StatsResponse
         )
+
+    async def token_budget(self, bank_id: str) -> TokenBudgetResponse:
+        """See ``Client.token_budget``."""
+        return await self._request(_Call("GET", _token_budget(bank_id)), TokenBudgetResponse)
+
+    async def set_token_budget(
+        self, bank_id: str, tokens_per_24h: int | None
+    ) -> TokenBudgetResponse:
+        """See ``Client.set_token_budget``."""
+        call = _Call("PUT", _token_budget(bank_id), body={"tokens_per_24h": tokens_per_24h})
+        return await self._request(call, TokenBudgetResponse)
 
     def list_banks(self, *, page_size: int = DEFAULT_PAGE_SIZE) -> AsyncIterator[BankOut]:
         """See ``Client.list_banks``."""
