@@ -25,7 +25,7 @@ from fastapi import Query
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 
-from consolidation import queue, store
+from consolidation import budgets, queue, store
 from consolidation.api_errors import ApiError
 from consolidation.api_guard import SESSION_COOKIE, Credentials
 from consolidation.api_params import (
@@ -277,6 +277,10 @@ def add_ui_routes(
         ops = await queue.list_operations(pool, bank_id=bank_id, limit=BANK_OPERATIONS)
         failed = await store.list_failed_memories(pool, bank_id, before=before, limit=PAGE + 1)
         scopes = await store.list_scopes(pool, bank_id, MAX_SCOPES_SHOWN)
+        budget = await budgets.window(pool, bank_id, settings.bank_token_budget)
+        resumes_at = None
+        if budget is not None and budget.limit is not None and budget.exhausted:
+            resumes_at = await budgets.frees_at(pool, bank_id, budget.limit)
         page = failed[:PAGE]
         next_url = None
         if len(failed) > PAGE:
@@ -294,6 +298,8 @@ def add_ui_routes(
             failed=page,
             failed_next_url=next_url,
             scopes=scopes,
+            budget=budget,
+            resumes_at=resumes_at,
             charts=await charts.of(bank_id),
         )
 
