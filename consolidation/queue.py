@@ -114,6 +114,14 @@ def _scope_filter_json(scopes: Sequence[Scope] | None) -> list[list[str]] | None
     return None if scopes is None else [list(s) for s in scopes]
 
 
+def _resumed(result: object) -> dict[str, Any] | None:
+    """The result an attempt continues: one an earlier attempt handed back with its progress
+    (a slice's end, a token budget's pause)."""
+    if isinstance(result, dict) and (result.get("slices") or result.get("pauses")):
+        return result
+    return None
+
+
 def _lease_from_row(row: asyncpg.Record) -> Lease:
     raw = row["scope_filter"]
     result = row["result"]
@@ -126,7 +134,7 @@ def _lease_from_row(row: asyncpg.Record) -> Lease:
         max_attempts=row["max_attempts"],
         interruptions=row["interruptions"],
         kind=row["kind"],
-        resumed=result if isinstance(result, dict) and result.get("slices") else None,
+        resumed=_resumed(result),
         reclaimed=row.get("reclaimed", False),
     )
 

@@ -285,6 +285,8 @@ async def _pause(
             f"{budgets.PAUSE_PREFIX} {used}/{limit} tokens per 24 h used; "
             f"resumes at {resumes.isoformat(timespec='seconds')}"
         )
+    summary.pauses += 1
+    result = {**result, "pauses": summary.pauses}
     status = await queue.yield_operation(pool, lease, result, delay_s=delay_s, note=message)
     metrics.BUDGET_PAUSES.inc()
     log.info(

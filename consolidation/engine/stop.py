@@ -30,7 +30,7 @@ class StopReason(enum.Enum):
 
     @property
     def aborts_at_once(self) -> bool:
-        return self not in (StopReason.SHUTDOWN, StopReason.SLICE)
+        return self not in (StopReason.SHUTDOWN, StopReason.SLICE, StopReason.BUDGET)
 
 
 class StopSignal:

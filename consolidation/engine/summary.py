@@ -21,6 +21,7 @@ class RunSummary:
     recovered: int = 0
     total: int = 0
     slices: int = 0  # how many times the operation yielded its slot to waiting ones
+    pauses: int = 0  # how many times its bank's token budget handed it back
 
     @classmethod
     def resumed(cls, result: Mapping[str, Any] | None) -> RunSummary:
@@ -46,11 +47,12 @@ class RunSummary:
             **self.progress(),
             "recovered": self.recovered,
             "slices": self.slices,
+            "pauses": self.pauses,
             "perf": self.perf.to_dict(),
         }
 
 
-_CONTINUED = ("waves", "processed", "consolidated", "failed", "recovered", "slices")
+_CONTINUED = ("waves", "processed", "consolidated", "failed", "recovered", "slices", "pauses")
 
 
 ProgressCallback = Callable[[RunSummary], None]
