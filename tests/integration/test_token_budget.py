@@ -238,3 +238,19 @@ async def test_clients_read_and_set_a_banks_token_budget(
         with pytest.raises(InvalidRequest) as refused:
             await client.set_token_budget("c", -1)
         assert refused.value.status == 422
+
+
+async def test_the_dashboards_bank_page_shows_the_budget_the_usage_and_when_it_resumes(
+    make_client: ClientFactory, pool: asyncpg.Pool
+) -> None:
+    await ingest(pool, "d", topics(1, 1))
+    await back_date(pool, "d", (400, dt.timedelta(hours=3)), (200, dt.timedelta(hours=1)))
+    async with make_client() as client:
+        page = (await client.get("/ui/banks/d")).text
+        assert 'data-stat="used_24h">600<' in page and "data-budget-paused" not in page
+        await client.put("/v1/banks/d/token-budget", json={"tokens_per_24h": 500})
+        page = (await client.get("/ui/banks/d")).text
+    assert 'data-stat="used_24h">600 / 500<' in page and "data-budget-paused" in page
+    oldest = (await usage_rows(pool, "d"))[0]["used_at"]
+    resumes = (oldest + WINDOW).astimezone(dt.UTC).isoformat(timespec="seconds")
+    assert f'datetime="{resumes.replace("+00:00", "Z")}"' in page

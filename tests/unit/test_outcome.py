@@ -16,7 +16,7 @@ from consolidation.engine.outcome import (
     describe,
     first_error,
 )
-from consolidation.engine.stop import SiblingFailed, StopReason
+from consolidation.engine.stop import Interrupted, SiblingFailed, StopReason
 from consolidation.errors import (
     InvalidLLMOutput,
     LeaseLost,
@@ -46,6 +46,7 @@ def test_no_error_completes_whatever_the_stop_reason() -> None:
         (OperationCancelled("x"), None, EndKind.CANCELLED, "cancelled on request"),
         (TransientLLMError("x"), StopReason.CANCEL, EndKind.CANCELLED, "cancelled on request"),
         (TransientLLMError("x"), StopReason.SLICE, EndKind.YIELDED, None),
+        (Interrupted("token budget used"), StopReason.BUDGET, EndKind.PAUSED, None),
         (TransientLLMError("x"), StopReason.SHUTDOWN, EndKind.SHUT_DOWN, "interrupted by shutdown"),
     ],
 )
