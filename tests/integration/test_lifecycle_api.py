@@ -103,9 +103,8 @@ async def test_delete_a_bank_without_confirm_is_a_dry_run_with_the_counts(
         error = response.json()["error"]
         assert error["code"] == "confirmation_required" and "confirm" in error["message"]
         assert error["counts"] == expected
-    assert (
-        len(await tables_containing(pool, "doomed")) == 6
-    )  # nothing was deleted (token usage included)
+    # Nothing was deleted (its token usage included).
+    assert len(await tables_containing(pool, "doomed")) == 6
 
     response = await manual_client.delete("/v1/banks/doomed?confirm=doomed")
     assert response.status_code == 200, response.text
