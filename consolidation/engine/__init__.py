@@ -3,7 +3,8 @@
 The only package that knows the whole flow (DESIGN §2). ``replay`` and the worker both call
 :func:`run_operation`, so the foreground and the service run the identical engine. One job a
 module, in the order of a run: ``attempt`` (lease, run kinds, recording the end), ``outcome``
-(the end policy, pure), ``stop`` (stop signal and checks), ``consolidate`` (the parts put
+(the end policy, pure), ``stop`` (stop signal and checks), ``budget`` (the bank's token budget
+as a run sees it), ``consolidate`` (the parts put
 together), ``waves`` (pipeline and closer), ``slots`` and ``openings`` (who runs next),
 ``group`` (a group's passes, split-on-failure), ``passes`` (one pass), ``recall`` (where a
 pass's recall comes from), ``asker`` (asking the model, the vectors), ``plan`` (pure planning),

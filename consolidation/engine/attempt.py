@@ -111,9 +111,9 @@ async def run_operation(
     completed → ``completed``; cancel → ``cancelled``; shutdown → back to ``pending`` without
     spending an attempt; after ``slice_s`` with other operations waiting → back to ``pending``
     behind them, no attempt spent, progress kept; its bank's token budget used → back to
-    ``pending`` until the window frees enough, no attempt spent, progress kept; LLM configuration error → ``failed`` at once;
-    other errors → back to ``pending`` with backoff until ``max_attempts``, then ``failed``; lost
-    lease → no write. With an ``embedder``, recall is hybrid and observations are stored with
+    ``pending`` until the window frees enough, no attempt spent, progress kept; LLM
+    configuration error → ``failed`` at once; other errors → back to ``pending`` with backoff
+    until ``max_attempts``, then ``failed``; lost lease → no write. With an ``embedder``, recall is hybrid and observations are stored with
     their vectors (the database must have them: embeddings.require_vector_storage); its faults
     are the LLM's. The lease's kind picks the run (:data:`RUN_KINDS`).
     """
