@@ -9,6 +9,7 @@ python -m bench generate N > bank.jsonl   # a bank for `consolidation ingest`
 python -m bench recall         # recall quality: full text vs hybrid, all-MiniLM-L6-v2 on CPU
 python -m bench minilm [--check | --port N]   # that model behind /v1/embeddings
 python -m bench realmodel      # against llama-cpp-python and a real GGUF (docs/real-models.md)
+python -m bench quality --oracle|--offline|--model M|--base-url U   # observation quality
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import orjson
 
 from bench import fairness, realmodel, report, scenarios
 from bench.infra import pgvector_server
+from bench.quality import render as quality_render
+from bench.quality import run as quality_run
 from bench.workload import BankShape, generate
 
 DEFAULT_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -177,6 +180,17 @@ def cmd_realmodel(args: argparse.Namespace) -> int:
     return 0 if results["operation"].get("status") == "completed" else 1
 
 
+def cmd_quality(args: argparse.Namespace) -> int:
+    results = asyncio.run(quality_run.run(args, _log))
+    path = _save(results, args.results_dir, f"quality-{results['mode']}")
+    print(quality_render.render(results))
+    print(f"\nJSON: {path}")
+    completed = all(
+        (b.get("operation") or {}).get("status") == "completed" for b in results["banks"].values()
+    )
+    return 0 if completed else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -260,6 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_minilm)
     realmodel.add_parser(sub, os.environ.get("BENCH_DATABASE_URL", DEFAULT_URL), RESULTS)
     sub.choices["realmodel"].set_defaults(handler=cmd_realmodel)
+    quality_run.add_parser(sub, os.environ.get("BENCH_DATABASE_URL", DEFAULT_URL), RESULTS)
+    sub.choices["quality"].set_defaults(handler=cmd_quality)
     return parser
 
 
