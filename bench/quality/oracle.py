@@ -6,9 +6,9 @@ batches wrote, whether an answer is applied as meant.
 It knows nothing but the bank files. A fact is recognised by its text; an observation by the
 memory texts it contains, which is why every text the oracle writes is made of the facts'
 own sentences. Each wire contract is one function (:data:`CONTRACTS`) from the request to the
-assistant's JSON object.
+assistant's JSON object; a request says which contract it speaks.
 
-    python -m bench.quality.oracle --bank-file A.json --bank-file B.json [--contract v1]
+    python -m bench.quality.oracle --bank-file A.json --bank-file B.json
 
 prints its base URL (``http://127.0.0.1:PORT/v1``) on the first line of stdout, then serves
 ``POST /v1/chat/completions`` (and ``/chat/completions``), ``GET /health`` and ``GET /_stats``.
@@ -119,8 +119,47 @@ def answer_v1(book: LabelBook, request: ChatRequest) -> dict[str, Any]:
     return {"creates": creates, "updates": updates, "merges": merges}
 
 
+def _same_or_update(text: str, target: str) -> str:
+    """``same`` when the target already says everything the fact says, else ``update``."""
+    return "same" if compose([target], [text]) == target else "update"
+
+
+def answer_v2(book: LabelBook, request: ChatRequest) -> dict[str, Any]:
+    """Contract v2 (docs/architecture.md): ``decide`` picks, per fact, the candidate that
+    shares its label (an observation before an earlier fact), ``new`` when none does;
+    ``rewrite`` joins the observation and the facts' own sentences."""
+    user = request.user
+    bank = str(user.get("bank"))
+    if user.get("task") == "rewrite":
+        observation = user["observation"]["text"]
+        return {"text": compose([observation], [f["text"] for f in user.get("facts") or []])}
+    if user.get("task") != "decide":
+        raise OracleError(f"unknown v2 task {user.get('task')!r}")
+    decisions = {}
+    for fact in user.get("facts") or []:
+        label = book.fact_label(bank, fact["text"])
+        decision = "new"
+        for candidate in sorted(fact.get("candidates") or [], key=lambda c: c["ref"][0] != "o"):
+            ref, text = candidate["ref"], candidate["text"]
+            labels = (
+                book.observation_labels(bank, text)
+                if ref.startswith("o")
+                else frozenset({book.fact_label(bank, text)})
+            )
+            if label is not None and labels == {label}:
+                decision = f"{_same_or_update(fact['text'], text)}:{ref}"
+                break
+        decisions[fact["ref"]] = decision
+    return decisions
+
+
 Contract = Callable[[LabelBook, ChatRequest], dict[str, Any]]
-CONTRACTS: dict[str, Contract] = {"v1": answer_v1}
+# One function per wire contract; a request names its contract ("contract": "v2"), v1 none.
+CONTRACTS: dict[str, Contract] = {"v1": answer_v1, "v2": answer_v2}
+
+
+def contract_of(request: ChatRequest) -> str:
+    return str(request.user.get("contract") or "v1")
 
 
 def read_request(body: bytes) -> ChatRequest:
@@ -148,14 +187,17 @@ class Oracle:
     """The server's state: the label book, the contract it speaks, and what it answered."""
 
     book: LabelBook
-    contract: str
     stats: Counter[str] = field(default_factory=Counter)
 
     def answer(self, body: bytes) -> tuple[int, dict[str, Any]]:
         try:
             request = read_request(body)
-            content = orjson.dumps(CONTRACTS[self.contract](self.book, request)).decode()
-        except (OracleError, KeyError, TypeError) as exc:
+            contract = contract_of(request)
+            if contract not in CONTRACTS:
+                raise OracleError(f"no oracle for contract {contract!r}")
+            content = orjson.dumps(CONTRACTS[contract](self.book, request)).decode()
+            self.stats[f"answered_{contract}"] += 1
+        except (OracleError, KeyError, TypeError, AttributeError) as exc:
             self.stats["rejected"] += 1
             return 400, {"error": {"message": f"oracle: {exc}", "type": "invalid_request"}}
         self.stats["answered"] += 1
@@ -164,7 +206,7 @@ class Oracle:
             "id": f"oracle-{self.stats['answered']}",
             "object": "chat.completion",
             "created": int(time.time()),
-            "model": f"oracle-{self.contract}",
+            "model": "oracle",
             "choices": [
                 {
                     "index": 0,
@@ -203,12 +245,11 @@ class Oracle:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.quality.oracle", description=__doc__)
     parser.add_argument("--bank-file", type=Path, action="append", default=[])
-    parser.add_argument("--contract", choices=sorted(CONTRACTS), default="v1")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args(argv)
     banks = load_banks(tuple(args.bank_file) or DEFAULT_BANK_FILES)
-    oracle = Oracle(LabelBook.of(banks), args.contract)
+    oracle = Oracle(LabelBook.of(banks))
     sock = listen_socket(args.host, args.port)
     print(f"{socket_url(sock)}/v1", flush=True)
     server = uvicorn.Server(uvicorn.Config(oracle.app(), log_level="warning", lifespan="off"))

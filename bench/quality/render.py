@@ -53,7 +53,9 @@ def render(results: Mapping[str, Any]) -> str:
     server = results["server"]
     mode = results["mode"]
     title = {
-        "oracle": f"oracle ({server['llm_model']})",
+        "oracle": "oracle (contract "
+        + results["client_env"].get("CONSOLIDATION_LLM_CONTRACT", "default")
+        + ")",
         "offline": "offline consolidator",
     }.get(mode, str(server.get("llm_model")))
     lines = [

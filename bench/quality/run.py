@@ -131,13 +131,8 @@ async def run(args: argparse.Namespace, log: Log) -> dict[str, Any]:
     stamp = time.strftime("%Y%m%dT%H%M%S")
     with ExitStack() as stack:
         if mode == "oracle":
-            contract = env.get("CONSOLIDATION_LLM_CONTRACT", "v1")
-            url = stack.enter_context(oracle_server(banks, contract, logs / f"quality-{stamp}"))
-            server: dict[str, Any] = {
-                "kind": "oracle",
-                "url": url,
-                "llm_model": f"oracle-{contract}",
-            }
+            url = stack.enter_context(oracle_server(banks, logs / f"quality-{stamp}"))
+            server: dict[str, Any] = {"kind": "oracle", "url": url, "llm_model": "oracle"}
         elif mode == "offline":
             server = {"kind": "offline consolidator", "url": None, "llm_model": None}
         elif mode == "endpoint":
@@ -304,10 +299,10 @@ async def read_run(
 
 
 @contextlib.contextmanager
-def oracle_server(banks: tuple[QualityBank, ...], contract: str, prefix: Path) -> Iterator[str]:
+def oracle_server(banks: tuple[QualityBank, ...], prefix: Path) -> Iterator[str]:
     """The oracle in a process of its own, serving ``banks``; yields its base URL."""
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "bench.quality.oracle", "--contract", contract]
+    command = [sys.executable, "-m", "bench.quality.oracle"]
     for qbank in banks:
         command += ["--bank-file", str(qbank.path)]
     with prefix.with_name(prefix.name + "-oracle.log").open("wb") as err:

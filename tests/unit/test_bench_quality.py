@@ -16,7 +16,7 @@ from bench.quality.judge import (
     shortfalls,
     unsupported_words,
 )
-from bench.quality.oracle import ChatRequest, LabelBook, Oracle, answer_v1
+from bench.quality.oracle import ChatRequest, LabelBook, Oracle, answer_v1, answer_v2
 
 BANKS = load_banks()
 BY_NAME = {b.name: b for b in BANKS}
@@ -124,7 +124,7 @@ def test_the_oracle_merges_two_observations_of_one_label_and_skips_unknown_facts
 
 
 def test_the_oracle_answers_a_chat_completion_and_rejects_what_it_cannot_read() -> None:
-    oracle = Oracle(LabelBook.of(BANKS), "v1")
+    oracle = Oracle(LabelBook.of(BANKS))
     request = _request("realmodel", ["I have been vegetarian since 2019."], [])
     body = orjson.dumps({"messages": [{"role": "user", "content": request.messages[0][1]}]})
     status, answer = oracle.answer(body)
@@ -133,3 +133,32 @@ def test_the_oracle_answers_a_chat_completion_and_rejects_what_it_cannot_read() 
     assert content["creates"] == [{"text": "I have been vegetarian since 2019.", "facts": ["f1"]}]
     status, error = oracle.answer(b"not json")
     assert status == 400 and "oracle" in error["error"]["message"]
+
+
+def _v2(user: dict[str, object]) -> ChatRequest:
+    user = {"contract": "v2", "bank": "household-diary", "scope": ["family"], **user}
+    return ChatRequest((("user", orjson.dumps(user).decode()),), user, None)
+
+
+def test_the_v2_oracle_decides_by_label_and_never_joins_a_hard_negative() -> None:
+    book = LabelBook.of(BANKS)
+    daughter = "My daughter Anna is in third grade."
+    niece = "My niece Anna studies medicine in Leipzig."
+    quit_football = "Leo quit football and joined the swimming club in January."
+    facts = [
+        {"ref": "f2", "text": niece, "candidates": [{"ref": "o1", "text": daughter}]},
+        {
+            "ref": "f3",
+            "text": "Anna, my daughter, is in grade three at school.",
+            "candidates": [{"ref": "f2", "text": niece}, {"ref": "o1", "text": daughter}],
+        },
+        {
+            "ref": "f4",
+            "text": quit_football,
+            "candidates": [{"ref": "o2", "text": "Leo plays football at the FC Nord club."}],
+        },
+    ]
+    answer = answer_v2(book, _v2({"task": "decide", "facts": facts}))
+    assert answer == {"f2": "new", "f3": "update:o1", "f4": "update:o2"}
+    rewrite = {"task": "rewrite", "observation": {"text": daughter}, "facts": [facts[1]]}
+    assert answer_v2(book, _v2(rewrite)) == {"text": f"{daughter} {facts[1]['text']}"}
