@@ -187,6 +187,7 @@ class Oracle:
     """The server's state: the label book, the contract it speaks, and what it answered."""
 
     book: LabelBook
+    transcript: Path | None = None  # each request's object and answer, one JSON line a call
     stats: Counter[str] = field(default_factory=Counter)
 
     def answer(self, body: bytes) -> tuple[int, dict[str, Any]]:
@@ -195,8 +196,12 @@ class Oracle:
             contract = contract_of(request)
             if contract not in CONTRACTS:
                 raise OracleError(f"no oracle for contract {contract!r}")
-            content = orjson.dumps(CONTRACTS[contract](self.book, request)).decode()
+            answer = CONTRACTS[contract](self.book, request)
+            content = orjson.dumps(answer).decode()
             self.stats[f"answered_{contract}"] += 1
+            if self.transcript is not None:
+                with self.transcript.open("ab") as out:
+                    out.write(orjson.dumps({"request": request.user, "answer": answer}) + b"\n")
         except (OracleError, KeyError, TypeError, AttributeError) as exc:
             self.stats["rejected"] += 1
             return 400, {"error": {"message": f"oracle: {exc}", "type": "invalid_request"}}
@@ -245,11 +250,12 @@ class Oracle:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.quality.oracle", description=__doc__)
     parser.add_argument("--bank-file", type=Path, action="append", default=[])
+    parser.add_argument("--transcript", type=Path, help="append each request and answer (JSONL)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args(argv)
     banks = load_banks(tuple(args.bank_file) or DEFAULT_BANK_FILES)
-    oracle = Oracle(LabelBook.of(banks))
+    oracle = Oracle(LabelBook.of(banks), args.transcript)
     sock = listen_socket(args.host, args.port)
     print(f"{socket_url(sock)}/v1", flush=True)
     server = uvicorn.Server(uvicorn.Config(oracle.app(), log_level="warning", lifespan="off"))

@@ -302,7 +302,8 @@ async def read_run(
 def oracle_server(banks: tuple[QualityBank, ...], prefix: Path) -> Iterator[str]:
     """The oracle in a process of its own, serving ``banks``; yields its base URL."""
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "bench.quality.oracle"]
+    transcript = prefix.with_name(prefix.name + "-oracle.jsonl")
+    command = [sys.executable, "-m", "bench.quality.oracle", "--transcript", str(transcript)]
     for qbank in banks:
         command += ["--bank-file", str(qbank.path)]
     with prefix.with_name(prefix.name + "-oracle.log").open("wb") as err:
