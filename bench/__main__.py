@@ -181,6 +181,15 @@ def cmd_realmodel(args: argparse.Namespace) -> int:
 
 
 def cmd_quality(args: argparse.Namespace) -> int:
+    if args.report:
+        saved = orjson.loads(args.report.read_bytes())
+        if args.markdown:
+            print(quality_render.render_markdown(saved))
+            print()
+            print(quality_render.render_baselines_markdown(saved))
+        else:
+            print(quality_render.render(saved))
+        return 0
     results = asyncio.run(quality_run.run(args, _log))
     path = _save(results, args.results_dir, f"quality-{results['mode']}")
     print(quality_render.render(results))

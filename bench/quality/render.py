@@ -101,3 +101,25 @@ def render(results: Mapping[str, Any]) -> str:
                 reason = item.get("reason") or ""
                 lines.append(f"    {kind} {item['key']}" + (f": {reason}" if reason else ""))
     return "\n".join(lines)
+
+
+def render_markdown(results: Mapping[str, Any]) -> str:
+    """One markdown table of a run: a row per bank, the run's figures (for docs/quality.md)."""
+    head = ["bank", *(h for h, _ in _COLUMNS)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for bank, b in results["banks"].items():
+        cells = _cells(b["judgement"], b.get("figures"), b.get("replay_s"))
+        label = f"{bank}{' (held out)' if b['held_out'] else ''}"
+        lines.append("| " + " | ".join([label, *cells]) + " |")
+    return "\n".join(lines)
+
+
+def render_baselines_markdown(results: Mapping[str, Any]) -> str:
+    """The trivial baselines of every bank, as one markdown table."""
+    head = ["bank", "baseline", *(h for h, _ in _COLUMNS[:9])]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for bank, b in results["banks"].items():
+        for baseline, j in b["baselines"].items():
+            cells = _cells(j, None, None)[:9]
+            lines.append("| " + " | ".join([bank, baseline, *cells]) + " |")
+    return "\n".join(lines)

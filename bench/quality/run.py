@@ -54,6 +54,14 @@ def add_parser(sub: Any, database_default: str, results_default: Path) -> None:
     what.add_argument("--model", choices=sorted(MODELS), help="a local GGUF through the lane")
     what.add_argument("--model-path", type=Path, help="any local GGUF through the lane")
     what.add_argument("--base-url", help="an OpenAI-compatible endpoint (…/v1)")
+    what.add_argument(
+        "--report",
+        type=Path,
+        metavar="JSON",
+        help="run nothing: render a saved result again (with --markdown, as docs/quality.md's "
+        "tables)",
+    )
+    p.add_argument("--markdown", action="store_true", help="with --report: markdown tables")
     p.add_argument("--llm-model", help="model name sent to the server (default: the alias)")
     p.add_argument(
         "--bank-file",
