@@ -150,7 +150,6 @@ async def run(args: argparse.Namespace, log: Log) -> dict[str, Any]:
                 "llm_model": args.llm_model or "default",
             }
         else:
-            args.model = args.model or None
             server, process = realmodel._start_server(args, logs, stamp, stack, log)
             server["url"] = process.url
         if server["url"] is not None:

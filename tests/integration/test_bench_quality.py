@@ -29,8 +29,9 @@ def test_the_oracle_run_scores_100_percent_on_every_bank(pg_admin_url: str, tmp_
         timeout=600,
         check=False,
     )
-    assert run.returncode == 0, run.stderr.decode()[-3000:]
-    results = orjson.loads((tmp_path / "latest-quality-oracle.json").read_bytes())
+    saved = tmp_path / "latest-quality-oracle.json"
+    assert saved.exists(), run.stderr.decode()[-3000:]
+    results = orjson.loads(saved.read_bytes())
     assert set(results["banks"]) == {b.name for b in load_banks()}
     for name, bank in results["banks"].items():
         judgement = bank["judgement"]
@@ -41,3 +42,4 @@ def test_the_oracle_run_scores_100_percent_on_every_bank(pg_admin_url: str, tmp_
         assert bank["figures"]["first_try_valid_fraction"] == 1.0, name
         assert bank["figures"]["llm_calls"] > 1, name
     assert "the pipeline falls short" not in run.stdout.decode()
+    assert run.returncode == 0, run.stderr.decode()[-3000:]

@@ -77,6 +77,8 @@ def test_content_no_source_gave_is_unsupported_and_a_paraphrase_is_not() -> None
         "2024",
         "munich",
     ]
+    # What an observation said before an update supports its new text.
+    assert unsupported_words("Lives in Munich.", [*sources, "Lives in Munich."]) == []
 
 
 def test_the_judge_counts_merged_hard_negatives_skips_and_invented_words() -> None:
