@@ -167,6 +167,8 @@ async def run(args: argparse.Namespace, log: Log) -> dict[str, Any]:
                 results["banks"][qbank.name] = await _run_bank(
                     qbank, admin_url, env, logs / f"quality-{stamp}-{qbank.name}", args, log
                 )
+        if mode == "model":
+            server["http_statuses"] = process.http_statuses()
     results["duration_s"] = round(time.perf_counter() - started, 1)
     return results
 
