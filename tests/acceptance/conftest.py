@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.acceptance.harness import ServiceProcess
+from tests.support.services import ServiceProcess
 
 
 @pytest.fixture

@@ -22,9 +22,9 @@ from consolidation.client import (
     WaitTimeout,
 )
 from consolidation.fake_llm import FakeLLMServer
-from tests.acceptance.harness import ServiceProcess, worker_env
-from tests.integration.engine_helpers import wait_for
-from tests.proxy import TcpProxy
+from tests.support.proxy import TcpProxy
+from tests.support.services import ServiceProcess, worker_env
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.acceptance
 

@@ -16,7 +16,7 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.select import Select
 
 from consolidation.fake_llm import POISON_MARKER, FakeLLMConfig, FakeLLMServer
-from tests.acceptance.browser import (
+from tests.support.browser import (
     attribute,
     chromium,
     click,
@@ -25,8 +25,9 @@ from tests.acceptance.browser import (
     text,
     wait,
 )
-from tests.acceptance.harness import ServiceProcess, worker_env
-from tests.integration.engine_helpers import markers, wait_for
+from tests.support.engine import markers
+from tests.support.services import ServiceProcess, worker_env
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.acceptance
 

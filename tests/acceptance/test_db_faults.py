@@ -23,10 +23,11 @@ import pytest
 
 from consolidation import db, queue
 from consolidation.fake_llm import FakeLLMServer
-from tests.acceptance.harness import ServiceProcess, metric_total, worker_env
-from tests.integration.engine_helpers import ingest, topics, wait_for
-from tests.invariants import assert_consistent
-from tests.proxy import TcpProxy
+from tests.support.engine import ingest, topics
+from tests.support.invariants import assert_consistent
+from tests.support.proxy import TcpProxy
+from tests.support.services import ServiceProcess, metric_total, worker_env
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.acceptance
 

@@ -10,8 +10,8 @@ import pytest
 from selenium.webdriver.remote.webdriver import WebDriver
 
 from consolidation.fake_llm import FakeLLMServer
-from tests.acceptance.browser import OFFLINE, chromium, requested_urls, screenshots_dir, wait
-from tests.acceptance.harness import ServiceProcess, worker_env
+from tests.support.browser import OFFLINE, chromium, requested_urls, screenshots_dir, wait
+from tests.support.services import ServiceProcess, worker_env
 
 pytestmark = pytest.mark.acceptance
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import orjson
 import pytest
 
-from tests.acceptance.harness import ServiceProcess
 from tests.conftest import embedded_postmaster_pid
-from tests.integration.engine_helpers import wait_for
+from tests.support.services import ServiceProcess
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.acceptance
 

@@ -12,10 +12,11 @@ import pytest
 
 from consolidation import queue
 from consolidation.fake_llm import FakeLLMServer
-from tests.acceptance.harness import ServiceProcess, worker_env
-from tests.integration.engine_helpers import ingest, markers, wait_completed, wait_for
 from tests.integration.test_cli_ingest import run_cli
-from tests.invariants import assert_consistent, tables_containing
+from tests.support.engine import ingest, markers, wait_completed
+from tests.support.invariants import assert_consistent, tables_containing
+from tests.support.services import ServiceProcess, worker_env
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.acceptance
 

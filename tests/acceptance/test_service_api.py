@@ -10,8 +10,9 @@ import httpx
 import pytest
 
 from consolidation.fake_llm import FakeLLMServer
-from tests.acceptance.harness import ServiceProcess
-from tests.integration.engine_helpers import grew, markers, wait_for
+from tests.support.engine import grew, markers
+from tests.support.services import ServiceProcess
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.acceptance
 

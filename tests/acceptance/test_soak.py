@@ -27,9 +27,9 @@ import pytest
 
 from consolidation.fake_llm import FakeLLMConfig, FakeLLMServer
 from consolidation.memories import parse_memory
-from tests.acceptance.harness import ServiceProcess, metric_total
-from tests.integration.engine_helpers import wait_for
-from tests.invariants import assert_consistent
+from tests.support.invariants import assert_consistent
+from tests.support.services import ServiceProcess, metric_total
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.acceptance
 

@@ -15,8 +15,8 @@ from urllib.parse import urlsplit, urlunsplit
 import orjson
 import pytest
 
-from tests.acceptance.harness import ServiceProcess, worker_env
-from tests.proxy import TcpProxy
+from tests.support.proxy import TcpProxy
+from tests.support.services import ServiceProcess, worker_env
 
 pytestmark = pytest.mark.acceptance
 

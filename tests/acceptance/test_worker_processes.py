@@ -11,15 +11,9 @@ import pytest
 
 from consolidation import queue
 from consolidation.fake_llm import FakeLLMServer
-from tests.acceptance.harness import ServiceProcess, worker_env
-from tests.integration.engine_helpers import (
-    grew,
-    ingest,
-    markers,
-    topics,
-    wait_completed,
-    wait_for,
-)
+from tests.support.engine import grew, ingest, markers, topics, wait_completed
+from tests.support.services import ServiceProcess, worker_env
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.acceptance
 

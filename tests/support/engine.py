@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 from urllib.parse import urlsplit
@@ -18,6 +17,7 @@ from consolidation.fake_llm import FakeLLMServer
 from consolidation.llm import Consolidator, HTTPConsolidator
 from consolidation.memories import parse_memories
 from consolidation.settings import Settings
+from tests.support.waiting import wait_for
 
 
 async def ingest(pool: asyncpg.Pool, bank: str, memories: Sequence[dict[str, Any]]) -> list[Any]:
@@ -56,20 +56,6 @@ def http_llm(url: str, **overrides: Any) -> HTTPConsolidator:
     }
     options.update(overrides)
     return HTTPConsolidator(**options)
-
-
-async def wait_for(condition: Callable[[], Any], timeout_s: float = 30.0, what: str = "") -> Any:
-    """Poll ``condition`` (sync or async) until truthy; fail after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or condition}")
-        await asyncio.sleep(0.02)
 
 
 async def grew(pool: asyncpg.Pool, query: str, than: int) -> bool:

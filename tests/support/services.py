@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import orjson
 
-from tests.integration.engine_helpers import wait_for
+from tests.support.waiting import wait_for
 
 
 def worker_env(database_url: str, llm_url: str, **extra: str) -> dict[str, str]:
