@@ -25,6 +25,15 @@ async def ingest(pool: asyncpg.Pool, bank: str, memories: Sequence[dict[str, Any
     return result.ids
 
 
+async def submit_after_ingest(
+    pool: asyncpg.Pool, bank: str, memories: Sequence[dict[str, Any]], **options: Any
+) -> queue.Operation:
+    """Ingest ``memories`` into ``bank``, then enqueue its consolidation (``options`` as
+    ``queue.submit`` takes them): the operation a worker under test is to run."""
+    await ingest(pool, bank, memories)
+    return (await queue.submit(pool, bank, **options)).operation
+
+
 async def run_next(
     pool: asyncpg.Pool, llm: Consolidator, config: Settings | None = None, **options: Any
 ) -> OperationEnd:
@@ -83,17 +92,6 @@ async def markers(pool: asyncpg.Pool, bank: str) -> dict[str, int]:
         bank,
     )
     return dict(row)
-
-
-async def wait_completed(pool: asyncpg.Pool, operation_id: Any, timeout_s: float = 60.0) -> None:
-    """Wait until the operation has completed (by whichever worker)."""
-    await wait_for(
-        lambda: pool.fetchval(
-            "SELECT status = 'completed' FROM operations WHERE id = $1", operation_id
-        ),
-        timeout_s,
-        what=f"operation {operation_id} to complete",
-    )
 
 
 def topics(count: int, per_topic: int) -> list[dict[str, Any]]:
