@@ -22,6 +22,7 @@ def services(tmp_path: Path) -> Iterator[Services]:
 
 
 @pytest.fixture
-def serve(services: Services, database_url: str, fake: FakeLLMServer) -> Serve:
-    """Start workers and services on this test's database and fake LLM."""
+def serve(database_url: str, fake: FakeLLMServer, services: Services) -> Serve:
+    """Start workers and services on this test's database and fake LLM. ``services`` comes last
+    so that its processes are killed before the database and the fake LLM go away."""
     return Serve(services, database_url, fake.url)
