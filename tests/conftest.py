@@ -28,6 +28,8 @@ import pytest
 from consolidation import db
 from consolidation.fake_llm import FakeLLMConfig, FakeLLMServer
 
+pytest_plugins = ["tests.support.fixtures"]
+
 CONTAINER_IMAGE = "postgres:16-alpine"
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import uuid
-from pathlib import Path
 
 import pytest
 
@@ -22,9 +21,9 @@ from consolidation.client import (
     WaitTimeout,
 )
 from consolidation.fake_llm import FakeLLMServer
-from tests.acceptance.harness import ServiceProcess, worker_env
-from tests.integration.engine_helpers import wait_for
-from tests.proxy import TcpProxy
+from tests.support.proxy import TcpProxy
+from tests.support.services import Serve
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.acceptance
 
@@ -115,11 +114,9 @@ def _sync_scenario(base: str, fake: FakeLLMServer) -> None:
 
 
 async def test_the_client_drives_every_route_of_a_real_service_and_raises_its_errors(
-    database_url: str, fake: FakeLLMServer, services: list[ServiceProcess], tmp_path: Path
+    fake: FakeLLMServer, serve: Serve
 ) -> None:
-    env = worker_env(database_url, fake.url, CONSOLIDATION_API_KEY=KEY)
-    service = ServiceProcess("svc", tmp_path, env)
-    services.append(service)
+    service = serve("svc", API_KEY=KEY)
     base = await service.api_url()
     # The blocking client in a thread: the fake LLM and the service keep running meanwhile.
     await asyncio.to_thread(_sync_scenario, base, fake)
@@ -128,11 +125,9 @@ async def test_the_client_drives_every_route_of_a_real_service_and_raises_its_er
 
 
 async def test_the_async_client_drives_every_route_of_a_real_service_and_raises_its_errors(
-    database_url: str, fake: FakeLLMServer, services: list[ServiceProcess], tmp_path: Path
+    fake: FakeLLMServer, serve: Serve
 ) -> None:
-    env = worker_env(database_url, fake.url, CONSOLIDATION_API_KEY=KEY)
-    service = ServiceProcess("svc", tmp_path, env)
-    services.append(service)
+    service = serve("svc", API_KEY=KEY)
     base = await service.api_url()
     async with AsyncClient(base, api_key=KEY) as client:
         memories = _memories("bob")
@@ -173,12 +168,10 @@ async def test_the_async_client_drives_every_route_of_a_real_service_and_raises_
 
 
 async def test_a_503_from_a_database_outage_is_retried_after_retry_after_until_it_heals(
-    database_url: str, fake: FakeLLMServer, services: list[ServiceProcess], tmp_path: Path
+    database_url: str, serve: Serve
 ) -> None:
     async with TcpProxy.in_front_of(database_url) as proxy:
-        env = worker_env(proxy.url(database_url), fake.url)
-        service = ServiceProcess("svc", tmp_path, env, "--no-worker")
-        services.append(service)
+        service = serve("svc", "--no-worker", database_url=proxy.url(database_url))
         base = await service.api_url()
         async with AsyncClient(base, retries=Retries(max_retries=30)) as client:
             await client.ingest("b", [{"text": "Bea plays the cello"}])

@@ -16,7 +16,8 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.select import Select
 
 from consolidation.fake_llm import POISON_MARKER, FakeLLMConfig, FakeLLMServer
-from tests.acceptance.browser import (
+from tests.support.api import operation, post_memories, submit, wait_status
+from tests.support.browser import (
     attribute,
     chromium,
     click,
@@ -25,8 +26,9 @@ from tests.acceptance.browser import (
     text,
     wait,
 )
-from tests.acceptance.harness import ServiceProcess, worker_env
-from tests.integration.engine_helpers import markers, wait_for
+from tests.support.engine import markers
+from tests.support.services import Serve, Services, worker_env
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.acceptance
 
@@ -39,21 +41,7 @@ def slow_fake() -> Any:
 
 
 async def _ingest(client: httpx.AsyncClient, bank: str, texts: list[str], tag: str) -> None:
-    memories = [{"text": t, "tags": [tag]} for t in texts]
-    response = await client.post(f"/v1/banks/{bank}/memories", json={"memories": memories})
-    assert response.status_code == 201, response.text
-
-
-async def _consolidate(client: httpx.AsyncClient, bank: str) -> str:
-    response = await client.post(f"/v1/banks/{bank}/consolidations", json={})
-    assert response.status_code == 202, response.text
-    operation_id: str = response.json()["operation_id"]
-    return operation_id
-
-
-async def _status(client: httpx.AsyncClient, operation_id: str) -> str:
-    status: str = (await client.get(f"/v1/operations/{operation_id}")).json()["status"]
-    return status
+    await post_memories(client, bank, [{"text": t, "tags": [tag]} for t in texts])
 
 
 def _processed(driver: WebDriver, operation_id: str) -> int | None:
@@ -72,15 +60,11 @@ async def test_the_dashboard_follows_progress_cancels_after_confirming_and_recov
     pool: asyncpg.Pool,
     database_url: str,
     slow_fake: FakeLLMServer,
-    services: list[ServiceProcess],
+    services: Services,
     tmp_path: Path,
 ) -> None:
-    service = ServiceProcess(
-        "svc",
-        tmp_path,
-        worker_env(database_url, slow_fake.url, CONSOLIDATION_WAVE_SIZE="2"),
-    )
-    services.append(service)
+    env = worker_env(database_url, slow_fake.url, CONSOLIDATION_WAVE_SIZE="2")
+    service = services.start("svc", env)
     base = await service.api_url()
     shots = screenshots_dir(tmp_path)
     print(f"\n[dashboard] screenshots in {shots}")
@@ -96,12 +80,9 @@ async def test_the_dashboard_follows_progress_cancels_after_confirming_and_recov
             ],
             "carol",
         )
-        carol_op = await _consolidate(client, "carol")
+        carol_op = await submit(client, "carol")
 
-        async def carol_completed() -> bool:
-            return await _status(client, carol_op) == "completed"
-
-        await wait_for(carol_completed, timeout_s=60, what="carol's operation to complete")
+        await wait_status(client, carol_op, "completed", 60, "carol's operation to complete")
         assert await markers(pool, "carol") == {"consolidated": 2, "failed": 1, "pending": 0}
 
         # alice: sixty memories in waves of two, each wave a 400 ms LLM call: a long operation,
@@ -125,7 +106,7 @@ async def test_the_dashboard_follows_progress_cancels_after_confirming_and_recov
 
             # The operations view refreshes itself: the running operation's progress moves
             # while the test never reloads the page.
-            alice_op = await _consolidate(client, "alice")
+            alice_op = await submit(client, "alice")
             driver.get(f"{base}/ui/operations")
             row = f'tr[data-operation="{alice_op}"]'
             first = wait(
@@ -148,7 +129,7 @@ async def test_the_dashboard_follows_progress_cancels_after_confirming_and_recov
                 lambda d: attribute(d, row, "data-status") == "cancelled",
                 "alice's operation shown cancelled",
             )
-            assert await _status(client, alice_op) == "cancelled"
+            assert (await operation(client, alice_op))["status"] == "cancelled"
             assert (await markers(pool, "alice"))["pending"] > 0
             driver.save_screenshot(str(shots / "4-operations-cancelled.png"))
 
@@ -183,18 +164,9 @@ async def test_the_dashboard_follows_progress_cancels_after_confirming_and_recov
 
 
 async def test_with_an_api_key_the_dashboard_asks_for_it_once_and_keeps_a_strict_cookie(
-    database_url: str,
-    fake: FakeLLMServer,
-    services: list[ServiceProcess],
-    tmp_path: Path,
+    serve: Serve, tmp_path: Path
 ) -> None:
-    service = ServiceProcess(
-        "svc",
-        tmp_path,
-        worker_env(database_url, fake.url, CONSOLIDATION_API_KEY="s3cret"),
-        "--no-worker",
-    )
-    services.append(service)
+    service = serve("svc", "--no-worker", API_KEY="s3cret")
     base = await service.api_url()
     shots = screenshots_dir(tmp_path)
     bearer = {"Authorization": "Bearer s3cret"}
@@ -246,42 +218,30 @@ async def test_with_an_api_key_the_dashboard_asks_for_it_once_and_keeps_a_strict
         assert (await client.get("/v1/banks")).status_code == 200
 
 
-async def _operation(client: httpx.AsyncClient, operation_id: str) -> dict[str, Any]:
-    body: dict[str, Any] = (await client.get(f"/v1/operations/{operation_id}")).json()
-    return body
-
-
 async def test_the_dashboard_explains_a_bank_stuck_on_a_dead_llm_and_retries_a_failed_operation(
-    database_url: str, services: list[ServiceProcess], tmp_path: Path
+    database_url: str, services: Services, tmp_path: Path
 ) -> None:
     # A model that answers every request 503, and 401 to the passes of bank fay's memory.
     dead = FakeLLMConfig(fail_rate=1.0, fail_when_contains="fay-key", fail_when_status=401)
     with FakeLLMServer(dead) as llm:
-        service = ServiceProcess(
-            "svc",
-            tmp_path,
-            worker_env(database_url, llm.url, CONSOLIDATION_RETRY_BACKOFF_S="600"),
-        )
-        services.append(service)
+        env = worker_env(database_url, llm.url, CONSOLIDATION_RETRY_BACKOFF_S="600")
+        service = services.start("svc", env)
         base = await service.api_url()
         shots = screenshots_dir(tmp_path)
         async with httpx.AsyncClient(base_url=base, timeout=30) as client:
             await _ingest(client, "erin", ["Erin plays the cello", "Erin lives in Lyon"], "erin")
-            erin_op = await _consolidate(client, "erin")
+            erin_op = await submit(client, "erin")
 
             async def erin_waits_to_retry() -> bool:
-                op = await _operation(client, erin_op)
+                op = await operation(client, erin_op)
                 return op["status"] == "pending" and op["attempt"] == 1
 
             await wait_for(erin_waits_to_retry, timeout_s=60, what="erin's first attempt to fail")
 
             await _ingest(client, "fay", ["Fay's token is fay-key"], "fay")
-            fay_op = await _consolidate(client, "fay")
+            fay_op = await submit(client, "fay")
 
-            async def fay_failed() -> bool:
-                return await _status(client, fay_op) == "failed"
-
-            await wait_for(fay_failed, timeout_s=60, what="fay's operation to fail")
+            await wait_status(client, fay_op, "failed", 60, "fay's operation to fail")
 
             with chromium(tmp_path / "profile") as driver:
                 # The health strip: this process's failing LLM requests and the last error.
@@ -335,14 +295,9 @@ async def test_the_dashboard_explains_a_bank_stuck_on_a_dead_llm_and_retries_a_f
 
 
 async def test_the_dashboard_charts_throughput_and_searches_observations(
-    pool: asyncpg.Pool,
-    database_url: str,
-    fake: FakeLLMServer,
-    services: list[ServiceProcess],
-    tmp_path: Path,
+    serve: Serve, tmp_path: Path
 ) -> None:
-    service = ServiceProcess("svc", tmp_path, worker_env(database_url, fake.url))
-    services.append(service)
+    service = serve("svc")
     base = await service.api_url()
     shots = screenshots_dir(tmp_path)
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
@@ -357,12 +312,9 @@ async def test_the_dashboard_charts_throughput_and_searches_observations(
             "work",
         )
         await _ingest(client, "gus", ["Gus grows tomatoes on the balcony"], "home")
-        operation_id = await _consolidate(client, "gus")
+        operation_id = await submit(client, "gus")
 
-        async def completed() -> bool:
-            return await _status(client, operation_id) == "completed"
-
-        await wait_for(completed, timeout_s=60, what="gus's operation to complete")
+        await wait_status(client, operation_id, "completed", 60, "gus's operation to complete")
 
         with chromium(tmp_path / "profile") as driver:
             driver.get(f"{base}/ui/banks/gus")

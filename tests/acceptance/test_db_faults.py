@@ -23,26 +23,30 @@ import pytest
 
 from consolidation import db, queue
 from consolidation.fake_llm import FakeLLMServer
-from tests.acceptance.harness import ServiceProcess, metric_total, worker_env
-from tests.integration.engine_helpers import ingest, topics, wait_for
-from tests.invariants import assert_consistent
-from tests.proxy import TcpProxy
+from tests.support.engine import submit_after_ingest, topics
+from tests.support.invariants import assert_consistent
+from tests.support.proxy import TcpProxy
+from tests.support.services import (
+    Serve,
+    ServiceProcess,
+    Services,
+    metric_total,
+    variables,
+    worker_env,
+)
+from tests.support.waiting import completed, wait_completed, wait_for
 
 pytestmark = pytest.mark.acceptance
 
 
-def service_env(database_url: str, llm_url: str, **extra: str) -> dict[str, str]:
-    # One quick LLM retry and a short lease: database faults show up as transport trouble and
-    # stalled workers, and must be recovered from within a test's time.
-    return worker_env(
-        database_url,
-        llm_url,
-        CONSOLIDATION_LLM_MAX_RETRIES="1",
-        CONSOLIDATION_LLM_BACKOFF_BASE_S="0.05",
-        CONSOLIDATION_LLM_BACKOFF_MAX_S="0.2",
-        CONSOLIDATION_LEASE_S="2",
-        **extra,
-    )
+# One quick LLM retry and a short lease: database faults show up as transport trouble and
+# stalled workers, and must be recovered from within a test's time.
+FAULTS = {
+    "LLM_MAX_RETRIES": "1",
+    "LLM_BACKOFF_BASE_S": "0.05",
+    "LLM_BACKOFF_MAX_S": "0.2",
+    "LEASE_S": "2",
+}
 
 
 # Sessions of workers (named after their worker id) and their LISTEN connection; never ours.
@@ -54,17 +58,11 @@ WHERE datname = current_database() AND pid <> pg_backend_pid()
 
 
 async def test_a_worker_whose_sessions_are_terminated_mid_operation_finishes_it_exactly_once(
-    pool: asyncpg.Pool,
-    database_url: str,
-    fake: FakeLLMServer,
-    services: list[ServiceProcess],
-    tmp_path: Path,
+    pool: asyncpg.Pool, fake: FakeLLMServer, serve: Serve
 ) -> None:
     fake.control(latency_ms=60)
-    await ingest(pool, "b", topics(6, 6))
-    op = (await queue.submit(pool, "b", max_attempts=50)).operation
-    worker = ServiceProcess("worker", tmp_path, service_env(database_url, fake.url), "--no-api")
-    services.append(worker)
+    op = await submit_after_ingest(pool, "b", topics(6, 6), max_attempts=50)
+    worker = serve.worker("worker", **FAULTS)
     terminated = 0
     for answered in (3, 8, 13):
         await wait_for(
@@ -74,10 +72,7 @@ async def test_a_worker_whose_sessions_are_terminated_mid_operation_finishes_it_
         terminated += await pool.fetchval(TERMINATE_WORKER_SESSIONS)
     assert terminated >= 3
     await wait_for(
-        lambda: (
-            worker.proc.poll() is not None
-            or pool.fetchval("SELECT status = 'completed' FROM operations WHERE id = $1", op.id)
-        ),
+        lambda: worker.proc.poll() is not None or completed(pool, op.id),
         timeout_s=90,
         what="the operation to complete despite its sessions being terminated",
     )
@@ -89,15 +84,9 @@ async def test_a_worker_whose_sessions_are_terminated_mid_operation_finishes_it_
 
 
 async def test_an_idle_worker_listens_again_after_its_listen_session_is_terminated(
-    pool: asyncpg.Pool,
-    database_url: str,
-    fake: FakeLLMServer,
-    services: list[ServiceProcess],
-    tmp_path: Path,
+    pool: asyncpg.Pool, serve: Serve
 ) -> None:
-    env = service_env(database_url, fake.url, CONSOLIDATION_POLL_INTERVAL_S="3600")
-    worker = ServiceProcess("worker", tmp_path, env, "--no-api")
-    services.append(worker)
+    worker = serve.worker("worker", **FAULTS, POLL_INTERVAL_S="3600")
     await worker.wait_event("worker_started")
     await wait_for(
         lambda: pool.fetchval(
@@ -107,8 +96,7 @@ async def test_an_idle_worker_listens_again_after_its_listen_session_is_terminat
         what="the worker's LISTEN session",
     )
     assert await pool.fetchval(TERMINATE_WORKER_SESSIONS) >= 1
-    await ingest(pool, "b", topics(1, 2))
-    op = (await queue.submit(pool, "b")).operation
+    op = await submit_after_ingest(pool, "b", topics(1, 2))
     # With an hour between polls, only a NOTIFY on a new LISTEN session can wake it.
     await worker.wait_event("operation_claimed", timeout_s=10, operation_id=str(op.id))
 
@@ -180,15 +168,12 @@ async def assert_database_unavailable(
 async def test_postgres_restarted_mid_operation_the_api_says_503_and_everything_recovers(
     private_pg: PrivatePostgres,
     fake: FakeLLMServer,
-    services: list[ServiceProcess],
-    tmp_path: Path,
+    services: Services,
 ) -> None:
     fake.control(latency_ms=80)
     async with open_pool(private_pg.url) as pool:
-        await ingest(pool, "b", topics(4, 8))
-        op = (await queue.submit(pool, "b", max_attempts=50)).operation
-    service = ServiceProcess("service", tmp_path, service_env(private_pg.url, fake.url))
-    services.append(service)
+        op = await submit_after_ingest(pool, "b", topics(4, 8), max_attempts=50)
+    service = services.start("service", worker_env(private_pg.url, fake.url, **variables(**FAULTS)))
     base_url = await service.api_url()
     await restart_postgres_twice_and_recover(service, private_pg, fake, base_url, op.id)
     async with open_pool(private_pg.url) as pool:
@@ -247,23 +232,15 @@ async def restart_postgres_twice_and_recover(
 
 
 async def test_a_worker_cut_off_by_a_silent_partition_frees_its_slot_and_fails_healthz_until_it_heals(
-    pool: asyncpg.Pool,
-    database_url: str,
-    fake: FakeLLMServer,
-    services: list[ServiceProcess],
-    tmp_path: Path,
+    pool: asyncpg.Pool, database_url: str, fake: FakeLLMServer, serve: Serve
 ) -> None:
     """A proxy stops forwarding with every socket left open: no error ever reaches the worker.
     Bounded statements free its slot while the partition lasts, /healthz fails after a lease of
     silence and recovers after, and a replica on a healthy path finishes the operation once."""
     fake.control(latency_ms=60)
-    await ingest(pool, "b", topics(4, 8))
-    op = (await queue.submit(pool, "b", max_attempts=50)).operation
+    op = await submit_after_ingest(pool, "b", topics(4, 8), max_attempts=50)
     async with TcpProxy.in_front_of(database_url) as proxy:
-        cut_off = ServiceProcess(
-            "cut-off", tmp_path, service_env(proxy.url(database_url), fake.url)
-        )
-        services.append(cut_off)
+        cut_off = serve("cut-off", database_url=proxy.url(database_url), **FAULTS)
         base_url = await cut_off.api_url()
         async with httpx.AsyncClient(base_url=base_url, timeout=30) as http:
             await cut_off.wait_event("operation_claimed", operation_id=str(op.id))
@@ -288,16 +265,9 @@ async def test_a_worker_cut_off_by_a_silent_partition_frees_its_slot_and_fails_h
             await wait_for(slot_freed, timeout_s=60, what="the cut-off worker to free its slot")
             assert proxy.connections > 0, "the partition must still hold its sockets open"
 
-            healthy = ServiceProcess(
-                "healthy", tmp_path, service_env(database_url, fake.url), "--no-api"
-            )
-            services.append(healthy)
-            await wait_for(
-                lambda: pool.fetchval(
-                    "SELECT status = 'completed' FROM operations WHERE id = $1", op.id
-                ),
-                timeout_s=90,
-                what="the healthy replica to finish the operation",
+            healthy = serve.worker("healthy", **FAULTS)
+            await wait_completed(
+                pool, op.id, timeout_s=90, what="the healthy replica to finish the operation"
             )
             assert (await unhealthy()) is True, "still cut off: /healthz must still fail"
             proxy.thaw()
@@ -319,18 +289,12 @@ async def test_a_worker_cut_off_by_a_silent_partition_frees_its_slot_and_fails_h
 
 
 async def test_every_line_a_serve_process_writes_during_a_database_outage_is_one_json_object(
-    database_url: str,
-    fake: FakeLLMServer,
-    services: list[ServiceProcess],
-    tmp_path: Path,
+    database_url: str, serve: Serve
 ) -> None:
     """asyncpg logs through the standard library, with a traceback, when its pool cannot restore
     its floor connection; that record too must be one JSON line, traceback included."""
     async with TcpProxy.in_front_of(database_url) as proxy:
-        service = ServiceProcess(
-            "service", tmp_path, service_env(proxy.url(database_url), fake.url)
-        )
-        services.append(service)
+        service = serve("service", database_url=proxy.url(database_url), **FAULTS)
         base_url = await service.api_url()
         await service.wait_event("worker_started")
         proxy.sever()

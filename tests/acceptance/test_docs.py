@@ -9,9 +9,8 @@ import httpx
 import pytest
 from selenium.webdriver.remote.webdriver import WebDriver
 
-from consolidation.fake_llm import FakeLLMServer
-from tests.acceptance.browser import OFFLINE, chromium, requested_urls, screenshots_dir, wait
-from tests.acceptance.harness import ServiceProcess, worker_env
+from tests.support.browser import OFFLINE, chromium, requested_urls, screenshots_dir, wait
+from tests.support.services import Serve
 
 pytestmark = pytest.mark.acceptance
 
@@ -29,10 +28,9 @@ def _body_text(driver: WebDriver) -> str:
 
 
 async def test_swagger_ui_and_redoc_render_every_route_without_a_network(
-    database_url: str, fake: FakeLLMServer, services: list[ServiceProcess], tmp_path: Path
+    serve: Serve, tmp_path: Path
 ) -> None:
-    service = ServiceProcess("svc", tmp_path, worker_env(database_url, fake.url), "--no-worker")
-    services.append(service)
+    service = serve("svc", "--no-worker")
     base = await service.api_url()
     async with httpx.AsyncClient(base_url=base, timeout=30) as http:
         paths = (await http.get("/openapi.json")).json()["paths"]

@@ -13,9 +13,9 @@ from pathlib import Path
 import orjson
 import pytest
 
-from tests.acceptance.harness import ServiceProcess
 from tests.conftest import embedded_postmaster_pid
-from tests.integration.engine_helpers import wait_for
+from tests.support.services import Services
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.acceptance
 
@@ -43,10 +43,9 @@ def mode(path: Path) -> int:
 
 
 async def test_a_server_left_by_a_killed_serve_is_adopted_and_stopped_by_the_next_clean_exit(
-    open_data_dir: Path, services: list[ServiceProcess], tmp_path: Path
+    open_data_dir: Path, services: Services
 ) -> None:
-    killed = ServiceProcess("killed", tmp_path, embedded_env(open_data_dir))
-    services.append(killed)
+    killed = services.start("killed", embedded_env(open_data_dir))
     await killed.wait_event("service_started")
     postmaster = embedded_postmaster_pid(open_data_dir)
     assert postmaster is not None
@@ -54,8 +53,7 @@ async def test_a_server_left_by_a_killed_serve_is_adopted_and_stopped_by_the_nex
     killed.wait_exit()
     assert embedded_postmaster_pid(open_data_dir) == postmaster, "SIGKILL cannot stop it"
 
-    adopting = ServiceProcess("adopting", tmp_path, embedded_env(open_data_dir))
-    services.append(adopting)
+    adopting = services.start("adopting", embedded_env(open_data_dir))
     adopted = await adopting.wait_event("embedded_postgres_adopted")
     assert adopted["dead_pids"] == [killed.proc.pid]
     await adopting.wait_event("service_started")

@@ -5,17 +5,17 @@ an operation that failed while the LLM was down is swept again, so the bank drai
 from __future__ import annotations
 
 import signal
-from pathlib import Path
 
 import asyncpg
 import pytest
 
 from consolidation import queue
 from consolidation.fake_llm import FakeLLMServer
-from tests.acceptance.harness import ServiceProcess, worker_env
-from tests.integration.engine_helpers import ingest, markers, wait_completed, wait_for
 from tests.integration.test_cli_ingest import run_cli
-from tests.invariants import assert_consistent, tables_containing
+from tests.support.engine import ingest, markers, submit_after_ingest
+from tests.support.invariants import assert_consistent, tables_containing
+from tests.support.services import Serve
+from tests.support.waiting import wait_completed, wait_drained, wait_for
 
 pytestmark = pytest.mark.acceptance
 
@@ -23,11 +23,7 @@ SECRET = "zebraquartz"
 
 
 async def test_a_forget_killed_half_way_is_finished_by_another_worker_and_leaves_no_trace(
-    pool: asyncpg.Pool,
-    database_url: str,
-    fake: FakeLLMServer,
-    services: list[ServiceProcess],
-    tmp_path: Path,
+    pool: asyncpg.Pool, database_url: str, fake: FakeLLMServer, serve: Serve
 ) -> None:
     memories = [
         {"text": f"Person{t} drinks green tea every morning, note {i}", "tags": [f"topic-{t}"]}
@@ -37,15 +33,8 @@ async def test_a_forget_killed_half_way_is_finished_by_another_worker_and_leaves
     for t in range(6):
         memories[3 * t]["text"] += f" with {SECRET} honey"
     ids = await ingest(pool, "b", memories)
-    env = worker_env(
-        database_url,
-        fake.url,
-        CONSOLIDATION_LEASE_S="1",
-        CONSOLIDATION_GROUP_PARALLELISM="1",
-        CONSOLIDATION_SWEEP_INTERVAL_S="0",
-    )
-    first = ServiceProcess("first", tmp_path, env, "--no-api")
-    services.append(first)
+    settings = {"LEASE_S": "1", "GROUP_PARALLELISM": "1", "SWEEP_INTERVAL_S": "0"}
+    first = serve.worker("first", **settings)
     await wait_completed(pool, (await queue.submit(pool, "b")).operation.id)
     assert len(await tables_containing(pool, SECRET)) >= 2
 
@@ -62,8 +51,7 @@ async def test_a_forget_killed_half_way_is_finished_by_another_worker_and_leaves
     assert await pool.fetchval("SELECT count(*) FROM memories WHERE forgotten_at IS NOT NULL") == 6
     assert "observations" in await tables_containing(pool, SECRET)
 
-    second = ServiceProcess("second", tmp_path, env, "--no-api")
-    services.append(second)
+    second = serve.worker("second", **settings)
     await wait_completed(pool, forget_id)
     operation = await queue.get_operation(pool, forget_id)
     # Taken over from the killed worker without spending an attempt.
@@ -82,24 +70,12 @@ async def test_a_forget_killed_half_way_is_finished_by_another_worker_and_leaves
 
 
 async def test_a_bank_whose_operation_failed_while_the_llm_was_down_drains_once_it_is_back(
-    pool: asyncpg.Pool,
-    database_url: str,
-    fake: FakeLLMServer,
-    services: list[ServiceProcess],
-    tmp_path: Path,
+    pool: asyncpg.Pool, fake: FakeLLMServer, serve: Serve
 ) -> None:
     fake.control(fail_rate=1.0, fail_status=503)
-    await ingest(pool, "b", [{"text": f"fact {i}", "tags": [f"t{i % 2}"]} for i in range(6)])
-    failing = (await queue.submit(pool, "b", max_attempts=2)).operation
-    env = worker_env(
-        database_url,
-        fake.url,
-        CONSOLIDATION_MAX_ATTEMPTS="2",
-        CONSOLIDATION_RETRY_BACKOFF_S="0.2",
-        CONSOLIDATION_SWEEP_INTERVAL_S="0.3",
-    )
-    worker = ServiceProcess("worker", tmp_path, env, "--no-api")
-    services.append(worker)
+    memories = [{"text": f"fact {i}", "tags": [f"t{i % 2}"]} for i in range(6)]
+    failing = await submit_after_ingest(pool, "b", memories, max_attempts=2)
+    worker = serve.worker("worker", MAX_ATTEMPTS="2", RETRY_BACKOFF_S="0.2", SWEEP_INTERVAL_S="0.3")
     await wait_for(
         lambda: pool.fetchval("SELECT status = 'failed' FROM operations WHERE id = $1", failing.id),
         what="the operation to fail for good",
@@ -107,10 +83,7 @@ async def test_a_bank_whose_operation_failed_while_the_llm_was_down_drains_once_
     assert await markers(pool, "b") == {"consolidated": 0, "failed": 0, "pending": 6}
 
     fake.control(fail_rate=0.0)  # the provider is back; nobody asks for anything
-    await wait_for(
-        lambda: pool.fetchval("SELECT count(*) = 0 FROM memories WHERE consolidated_at IS NULL"),
-        what="the bank to drain",
-    )
+    await wait_drained(pool, what="the bank to drain")
     assert await markers(pool, "b") == {"consolidated": 6, "failed": 0, "pending": 0}
     swept = worker.events("sweeper_enqueued")
     assert swept and all(e["bank_id"] == "b" and e["kind"] == "consolidate" for e in swept)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.acceptance.harness import ServiceProcess
+from tests.support.services import Services
 
 pytestmark = pytest.mark.acceptance
 
@@ -44,16 +44,16 @@ def test_the_try_it_section_has_the_api_and_the_command_line_blocks() -> None:
     assert (ROOT / "examples" / "memories.jsonl").is_file()
 
 
+def offline_env(database_url: str) -> dict[str, str]:
+    """A service as the README starts it: the offline consolidator, automatic consolidation."""
+    return {"CONSOLIDATION_DATABASE_URL": database_url, "CONSOLIDATION_LLM_BASE_URL": ""}
+
+
 async def test_the_readme_try_it_commands_run_as_written(
-    database_url: str, services: list[ServiceProcess], tmp_path: Path
+    database_url: str, services: Services, tmp_path: Path
 ) -> None:
     # `serve` as the README's first command starts it: offline consolidator, auto-consolidation.
-    service = ServiceProcess(
-        "svc",
-        tmp_path,
-        {"CONSOLIDATION_DATABASE_URL": database_url, "CONSOLIDATION_LLM_BASE_URL": ""},
-    )
-    services.append(service)
+    service = services.start("svc", offline_env(database_url))
     port = (await service.api_url()).rsplit(":", 1)[1]
     clone = tmp_path / "clone"
     clone.mkdir()
@@ -102,17 +102,12 @@ async def test_the_readme_try_it_commands_run_as_written(
 
 
 async def test_the_readme_python_client_agent_runs_as_written(
-    database_url: str, services: list[ServiceProcess], tmp_path: Path
+    database_url: str, services: Services, tmp_path: Path
 ) -> None:
     (agent,) = section_blocks("Python client", "python")
     (command,) = section_blocks("Python client", "sh")
     assert len(agent.strip().splitlines()) <= 10
-    service = ServiceProcess(
-        "svc",
-        tmp_path,
-        {"CONSOLIDATION_DATABASE_URL": database_url, "CONSOLIDATION_LLM_BASE_URL": ""},
-    )
-    services.append(service)
+    service = services.start("svc", offline_env(database_url))
     port = (await service.api_url()).rsplit(":", 1)[1]
     clone = tmp_path / "clone"
     clone.mkdir()

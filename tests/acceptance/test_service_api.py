@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import signal
-from pathlib import Path
 
 import asyncpg
 import httpx
 import pytest
 
 from consolidation.fake_llm import FakeLLMServer
-from tests.acceptance.harness import ServiceProcess
-from tests.integration.engine_helpers import grew, markers, wait_for
+from tests.support.api import post_memories, wait_status
+from tests.support.engine import grew, markers
+from tests.support.services import Services
+from tests.support.waiting import wait_for
 
 pytestmark = pytest.mark.acceptance
 
 
 def env(database_url: str, llm_url: str, **extra: str) -> dict[str, str]:
+    """A service with its own defaults (automatic consolidation on ingest), unlike worker_env."""
     return {
         "CONSOLIDATION_DATABASE_URL": database_url,
         "CONSOLIDATION_LLM_BASE_URL": llm_url,
@@ -30,21 +32,18 @@ async def test_ingest_consolidate_and_cancel_a_running_operation_over_http(
     pool: asyncpg.Pool,
     database_url: str,
     fake: FakeLLMServer,
-    services: list[ServiceProcess],
-    tmp_path: Path,
+    services: Services,
 ) -> None:
     fake.control(script=[{"pass": True}, {"hang": True}])
-    service = ServiceProcess(
-        "svc", tmp_path, env(database_url, fake.url, CONSOLIDATION_AUTO_CONSOLIDATE="false")
+    service = services.start(
+        "svc", env(database_url, fake.url, CONSOLIDATION_AUTO_CONSOLIDATE="false")
     )
-    services.append(service)
     base = await service.api_url()
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
         memories = [
             {"text": f"Alice drinks green tea, note {i}", "tags": ["alice"]} for i in range(6)
         ]
-        response = await client.post("/v1/banks/b/memories", json={"memories": memories})
-        assert response.status_code == 201, response.text
+        await post_memories(client, "b", memories)
         submitted = await client.post("/v1/banks/b/consolidations", json={})
         assert submitted.status_code == 202 and submitted.json()["deduplicated"] is False
         operation_id = submitted.json()["operation_id"]
@@ -58,12 +57,7 @@ async def test_ingest_consolidate_and_cancel_a_running_operation_over_http(
 
         cancel = await client.post(f"/v1/operations/{operation_id}/cancel")
         assert cancel.status_code == 202 and cancel.json()["status"] == "running"
-
-        async def ended() -> bool:
-            body = (await client.get(f"/v1/operations/{operation_id}")).json()
-            return bool(body["status"] == "cancelled")
-
-        await wait_for(ended, timeout_s=10, what="the operation to end cancelled")
+        await wait_status(client, operation_id, "cancelled", 10, "the operation to end cancelled")
         await wait_for(lambda: fake.stats()["aborted"] == 1, what="the in-flight call to abort")
         stats = (await client.get("/v1/banks/b/stats")).json()
         assert stats["consolidated"] == 2 and stats["pending"] == 4
@@ -85,15 +79,11 @@ async def test_ingest_consolidate_and_cancel_a_running_operation_over_http(
 
 
 async def test_with_an_api_key_requests_without_it_get_401(
-    database_url: str,
-    fake: FakeLLMServer,
-    services: list[ServiceProcess],
-    tmp_path: Path,
+    database_url: str, fake: FakeLLMServer, services: Services
 ) -> None:
-    service = ServiceProcess(
-        "svc", tmp_path, env(database_url, fake.url, CONSOLIDATION_API_KEY="s3cret"), "--no-worker"
+    service = services.start(
+        "svc", env(database_url, fake.url, CONSOLIDATION_API_KEY="s3cret"), "--no-worker"
     )
-    services.append(service)
     base = await service.api_url()
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}):
@@ -132,13 +122,9 @@ MALFORMED: list[tuple[str, str, bytes | None]] = [
 
 
 async def test_malformed_requests_get_a_4xx_json_error_from_a_real_process(
-    database_url: str,
-    fake: FakeLLMServer,
-    services: list[ServiceProcess],
-    tmp_path: Path,
+    database_url: str, fake: FakeLLMServer, services: Services
 ) -> None:
-    service = ServiceProcess("svc", tmp_path, env(database_url, fake.url), "--no-worker")
-    services.append(service)
+    service = services.start("svc", env(database_url, fake.url), "--no-worker")
     base = await service.api_url()
     async with httpx.AsyncClient(base_url=base, timeout=30) as client:
         for method, path, body in MALFORMED:

@@ -18,7 +18,6 @@ import signal
 import socket
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -27,9 +26,9 @@ import pytest
 
 from consolidation.fake_llm import FakeLLMConfig, FakeLLMServer
 from consolidation.memories import parse_memory
-from tests.acceptance.harness import ServiceProcess, metric_total
-from tests.integration.engine_helpers import wait_for
-from tests.invariants import assert_consistent
+from tests.support.invariants import assert_consistent
+from tests.support.services import Services, metric_total
+from tests.support.waiting import wait_drained, wait_for
 
 pytestmark = pytest.mark.acceptance
 
@@ -88,14 +87,12 @@ async def test_soak_journal_markers_and_observations_agree_after_cancels_and_a_k
     pool: asyncpg.Pool,
     database_url: str,
     fake: FakeLLMServer,
-    services: list[ServiceProcess],
-    tmp_path: Path,
+    services: Services,
 ) -> None:
     print(f"\nsoak: SOAK_SECONDS={SOAK_SECONDS} SOAK_SEED={SOAK_SEED}")
     rnd = random.Random(SOAK_SEED)
-    first = ServiceProcess("a", tmp_path, env(database_url, fake.url))
-    second = ServiceProcess("b", tmp_path, env(database_url, fake.url))
-    services += [first, second]
+    first = services.start("a", env(database_url, fake.url))
+    second = services.start("b", env(database_url, fake.url))
     urls = {"a": await first.api_url(), "b": await second.api_url()}
     live = ["a", "b"]
     sent: dict[str, list[dict[str, Any]]] = {bank: [] for bank in BANKS}
@@ -122,8 +119,7 @@ async def test_soak_journal_markers_and_observations_agree_after_cancels_and_a_k
                     killed = True
                     killed_at = elapsed
             if killed and not restarted and elapsed > max(0.6 * SOAK_SECONDS, killed_at + 2):
-                second = ServiceProcess("b2", tmp_path, env(database_url, fake.url))
-                services.append(second)
+                second = services.start("b2", env(database_url, fake.url))
                 urls["b"] = await second.api_url()
                 live.append("b")
                 restarted = True
@@ -156,25 +152,14 @@ async def test_soak_journal_markers_and_observations_agree_after_cancels_and_a_k
 
         assert killed, "worker b never owned a running operation to be killed in"
         if not restarted:  # killed late in a short run: restart it now
-            second = ServiceProcess("b2", tmp_path, env(database_url, fake.url))
-            services.append(second)
+            second = services.start("b2", env(database_url, fake.url))
             urls["b"] = await second.api_url()
         # Load is over: one last unscoped consolidation per bank picks up whatever cancels left.
         for bank in BANKS:
             response = await http.post(f"{urls['a']}/v1/banks/{bank}/consolidations", json={})
             assert response.status_code == 202, response.text
 
-        async def quiet() -> bool:
-            busy = await pool.fetchval(
-                "SELECT count(*) FROM operations WHERE status IN ('pending', 'running')"
-            )
-            pending = await pool.fetchval(
-                "SELECT count(*) FROM memories"
-                " WHERE consolidated_at IS NULL AND consolidation_failed_at IS NULL"
-            )
-            return busy == 0 and pending == 0
-
-        await wait_for(quiet, timeout_s=120, what="every memory to be consolidated")
+        await wait_drained(pool, idle=True, timeout_s=120)
         print(f"soak: {len(ids)} memories, {counts}, killed and restarted one worker")
 
         census = await assert_consistent(pool)

@@ -9,14 +9,13 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import orjson
 import pytest
 
-from tests.acceptance.harness import ServiceProcess, worker_env
-from tests.proxy import TcpProxy
+from tests.support.proxy import TcpProxy
+from tests.support.services import Services, worker_env
 
 pytestmark = pytest.mark.acceptance
 
@@ -117,15 +116,12 @@ def test_a_cause_that_waiting_cannot_fix_fails_at_once_with_one_line(
 
 
 async def test_a_server_that_comes_up_within_the_wait_is_used(
-    database_url: str, services: list[ServiceProcess], tmp_path: Path
+    database_url: str, services: Services
 ) -> None:
     async with TcpProxy.in_front_of(database_url) as proxy:
         proxy.sever()
         env = worker_env(proxy.url(database_url), "http://127.0.0.1:9/v1")
-        service = ServiceProcess(
-            "service", tmp_path, {**env, "CONSOLIDATION_DATABASE_WAIT_S": "600"}
-        )
-        services.append(service)
+        service = services.start("service", {**env, "CONSOLIDATION_DATABASE_WAIT_S": "600"})
         await service.wait_event("database_unreachable_retrying")
         proxy.restore()
         await service.wait_event("service_started")

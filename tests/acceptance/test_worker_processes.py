@@ -3,23 +3,15 @@
 from __future__ import annotations
 
 import signal
-from pathlib import Path
 from typing import Any
 
 import asyncpg
 import pytest
 
-from consolidation import queue
 from consolidation.fake_llm import FakeLLMServer
-from tests.acceptance.harness import ServiceProcess, worker_env
-from tests.integration.engine_helpers import (
-    grew,
-    ingest,
-    markers,
-    topics,
-    wait_completed,
-    wait_for,
-)
+from tests.support.engine import grew, markers, submit_after_ingest, topics
+from tests.support.services import Serve
+from tests.support.waiting import wait_completed, wait_for
 
 pytestmark = pytest.mark.acceptance
 
@@ -55,25 +47,17 @@ async def operation(pool: asyncpg.Pool, operation_id: Any) -> asyncpg.Record:
 
 
 async def test_sigkill_mid_wave_then_another_worker_completes_without_duplicates(
-    pool: asyncpg.Pool,
-    database_url: str,
-    fake: FakeLLMServer,
-    services: list[ServiceProcess],
-    tmp_path: Path,
+    pool: asyncpg.Pool, fake: FakeLLMServer, serve: Serve
 ) -> None:
     fake.control(latency_ms=100)
-    await ingest(pool, "b", topics(4, 6))
-    op = (await queue.submit(pool, "b")).operation
-    env = worker_env(database_url, fake.url, CONSOLIDATION_LEASE_S="1")
-    first = ServiceProcess("first", tmp_path, env, "--no-api")
-    services.append(first)
+    op = await submit_after_ingest(pool, "b", topics(4, 6))
+    first = serve.worker("first", LEASE_S="1")
     await wait_for(lambda: fake.stats()["completed"] >= 5, what="some passes to be answered")
     first.signal(signal.SIGKILL)
     first.wait_exit()
     assert (await markers(pool, "b"))["pending"] > 0
 
-    second = ServiceProcess("second", tmp_path, env, "--no-api")
-    services.append(second)
+    serve.worker("second", LEASE_S="1")
     await wait_completed(pool, op.id)
     row = await operation(pool, op.id)
     # Taken over from the killed worker without spending an attempt.
@@ -82,24 +66,16 @@ async def test_sigkill_mid_wave_then_another_worker_completes_without_duplicates
 
 
 async def test_a_worker_paused_past_its_lease_writes_nothing_after_another_took_over(
-    pool: asyncpg.Pool,
-    database_url: str,
-    fake: FakeLLMServer,
-    services: list[ServiceProcess],
-    tmp_path: Path,
+    pool: asyncpg.Pool, fake: FakeLLMServer, serve: Serve
 ) -> None:
     fake.control(latency_ms=100)
-    await ingest(pool, "b", topics(4, 6))
-    op = (await queue.submit(pool, "b")).operation
-    env = worker_env(database_url, fake.url, CONSOLIDATION_LEASE_S="1")
-    paused = ServiceProcess("paused", tmp_path, env, "--no-api")
-    services.append(paused)
+    op = await submit_after_ingest(pool, "b", topics(4, 6))
+    paused = serve.worker("paused", LEASE_S="1")
     await paused.wait_event("operation_claimed")
     await wait_for(lambda: fake.stats()["completed"] >= 3, what="some passes to be answered")
     paused.signal(signal.SIGSTOP)
 
-    other = ServiceProcess("other", tmp_path, env, "--no-api")
-    services.append(other)
+    other = serve.worker("other", LEASE_S="1")
     await wait_completed(pool, op.id)
     await assert_consolidated_exactly_once(pool, 4, 24)
     before = await snapshot(pool)
@@ -114,18 +90,11 @@ async def test_a_worker_paused_past_its_lease_writes_nothing_after_another_took_
 
 
 async def test_sigterm_hands_the_operation_back_without_spending_an_attempt(
-    pool: asyncpg.Pool,
-    database_url: str,
-    fake: FakeLLMServer,
-    services: list[ServiceProcess],
-    tmp_path: Path,
+    pool: asyncpg.Pool, fake: FakeLLMServer, serve: Serve
 ) -> None:
     fake.control(latency_ms=150)
-    await ingest(pool, "b", topics(4, 6))
-    op = (await queue.submit(pool, "b")).operation
-    env = worker_env(database_url, fake.url, CONSOLIDATION_SHUTDOWN_GRACE_S="10")
-    first = ServiceProcess("first", tmp_path, env, "--no-api")
-    services.append(first)
+    op = await submit_after_ingest(pool, "b", topics(4, 6))
+    first = serve.worker("first", SHUTDOWN_GRACE_S="10")
     await wait_for(lambda: fake.stats()["completed"] >= 3, what="some passes to be answered")
     first.signal(signal.SIGTERM)
     assert first.wait_exit() == 0
@@ -137,26 +106,18 @@ async def test_sigterm_hands_the_operation_back_without_spending_an_attempt(
     assert state["consolidated"] > 0 and state["pending"] > 0
     assert fake.stats()["aborted"] == 0
 
-    second = ServiceProcess("second", tmp_path, env, "--no-api")
-    services.append(second)
+    serve.worker("second", SHUTDOWN_GRACE_S="10")
     await wait_completed(pool, op.id)
     assert (await operation(pool, op.id))["attempt"] == 1
     await assert_consolidated_exactly_once(pool, 4, 24)
 
 
 async def test_sigterm_past_the_grace_period_cancels_in_flight_calls_and_still_hands_back(
-    pool: asyncpg.Pool,
-    database_url: str,
-    fake: FakeLLMServer,
-    services: list[ServiceProcess],
-    tmp_path: Path,
+    pool: asyncpg.Pool, fake: FakeLLMServer, serve: Serve
 ) -> None:
     fake.control(script=[{"pass": True}, {"hang": True}])
-    await ingest(pool, "b", topics(1, 6))
-    op = (await queue.submit(pool, "b")).operation
-    env = worker_env(database_url, fake.url, CONSOLIDATION_SHUTDOWN_GRACE_S="0.5")
-    worker = ServiceProcess("worker", tmp_path, env, "--no-api")
-    services.append(worker)
+    op = await submit_after_ingest(pool, "b", topics(1, 6))
+    worker = serve.worker("worker", SHUTDOWN_GRACE_S="0.5")
     await wait_for(lambda: fake.stats()["requests"] >= 2, what="the hanging call")
     # The second call starts once the first answer is in, while the first pass applies.
     await wait_for(
@@ -172,40 +133,27 @@ async def test_sigterm_past_the_grace_period_cancels_in_flight_calls_and_still_h
 
 
 async def test_an_idle_worker_is_woken_by_notify_not_by_polling(
-    pool: asyncpg.Pool,
-    database_url: str,
-    fake: FakeLLMServer,
-    services: list[ServiceProcess],
-    tmp_path: Path,
+    pool: asyncpg.Pool, serve: Serve
 ) -> None:
-    env = worker_env(database_url, fake.url, CONSOLIDATION_POLL_INTERVAL_S="3600")
-    worker = ServiceProcess("worker", tmp_path, env, "--no-api")
-    services.append(worker)
+    worker = serve.worker("worker", POLL_INTERVAL_S="3600")
     await worker.wait_event("worker_started")
-    await ingest(pool, "b", topics(1, 2))
-    op = (await queue.submit(pool, "b")).operation
+    op = await submit_after_ingest(pool, "b", topics(1, 2))
     # With an hour between polls, only the NOTIFY can have woken it.
     await worker.wait_event("operation_claimed", timeout_s=30, operation_id=str(op.id))
 
 
 async def test_three_workers_and_a_dozen_banks_run_every_operation_exactly_once(
-    pool: asyncpg.Pool,
-    database_url: str,
-    fake: FakeLLMServer,
-    services: list[ServiceProcess],
-    tmp_path: Path,
+    pool: asyncpg.Pool, fake: FakeLLMServer, serve: Serve
 ) -> None:
     fake.control(latency_ms=40)
-    env = worker_env(database_url, fake.url, CONSOLIDATION_WORKER_CONCURRENCY="2")
-    workers = [ServiceProcess(f"w{i}", tmp_path, env, "--no-api") for i in range(3)]
-    services.extend(workers)
+    workers = [serve.worker(f"w{i}", WORKER_CONCURRENCY="2") for i in range(3)]
     for worker in workers:
         await worker.wait_event("worker_started")
     banks = [f"bank-{i}" for i in range(12)]
     operations = []
     for bank in banks:
-        await ingest(pool, bank, [{"text": f"{bank} fact {i}", "tags": ["t"]} for i in range(6)])
-        operations.append((await queue.submit(pool, bank)).operation.id)
+        memories = [{"text": f"{bank} fact {i}", "tags": ["t"]} for i in range(6)]
+        operations.append((await submit_after_ingest(pool, bank, memories)).id)
     await wait_for(
         lambda: pool.fetchval("SELECT count(*) = 12 FROM operations WHERE status = 'completed'"),
         what="all twelve operations to complete",

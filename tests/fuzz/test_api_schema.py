@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.acceptance.harness import ServiceProcess
+from tests.support.services import ServiceProcess
 
 pytestmark = pytest.mark.acceptance
 

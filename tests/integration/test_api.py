@@ -14,7 +14,7 @@ from consolidation import db
 from consolidation.api import MAX_BODY_BYTES, create_app
 from consolidation.settings import load_settings
 from tests.integration.conftest import ClientFactory
-from tests.integration.engine_helpers import set_read_only
+from tests.support.engine import set_read_only
 
 
 @pytest.fixture

@@ -10,17 +10,10 @@ from consolidation import db, queue
 from consolidation.engine import OperationEnd, StopReason, StopSignal, run_operation
 from consolidation.fake_llm import FakeLLMServer
 from consolidation.settings import Settings
-from tests.integration.engine_helpers import (
-    APPLY_GATE,
-    grew,
-    http_llm,
-    ingest,
-    topics,
-    unretrieved_task_errors,
-    wait_for,
-)
-from tests.invariants import assert_consistent
-from tests.proxy import TcpProxy
+from tests.support.engine import APPLY_GATE, grew, http_llm, ingest, topics, unretrieved_task_errors
+from tests.support.invariants import assert_consistent
+from tests.support.proxy import TcpProxy
+from tests.support.waiting import wait_for
 
 # An apply waiting at APPLY_GATE for the advisory lock the test holds.
 AT_THE_GATE = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"

@@ -6,8 +6,8 @@ import uuid
 
 import asyncpg
 
-from tests.integration.engine_helpers import ingest
 from tests.integration.test_cli_ingest import run_cli
+from tests.support.engine import ingest
 
 
 async def flagged(pool: asyncpg.Pool) -> int:

@@ -10,8 +10,8 @@ import pytest
 
 from consolidation import db, queue, runtime, store
 from consolidation.settings import load_settings
-from tests.integration.engine_helpers import wait_for
 from tests.integration.test_queue import expire
+from tests.support.waiting import wait_for
 
 SESSIONS_NAMED = """
 SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND application_name = $1

@@ -20,15 +20,9 @@ from consolidation.engine import run_operation
 from consolidation.fake_llm import FakeLLMServer
 from consolidation.settings import Settings, load_settings
 from consolidation.worker import Worker
-from tests.integration.engine_helpers import (
-    grew,
-    http_llm,
-    ingest,
-    set_read_only,
-    topics,
-    wait_for,
-)
-from tests.invariants import assert_consistent
+from tests.support.engine import grew, http_llm, ingest, set_read_only, topics
+from tests.support.invariants import assert_consistent
+from tests.support.waiting import wait_for
 
 TERMINATE_OTHERS = """
 SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity
@@ -378,7 +372,7 @@ async def test_outages_past_the_lease_spend_no_attempt_and_the_log_says_what_hap
     over when the database is back. No attempt is spent (it used to go 1 → 2 → 3), both are
     counted, and no log line claims a hand-back that was never stored."""
     from consolidation import db
-    from tests.proxy import TcpProxy
+    from tests.support.proxy import TcpProxy
 
     await ingest(pool, "b", topics(4, 10))
     op = (await queue.submit(pool, "b", max_attempts=2)).operation

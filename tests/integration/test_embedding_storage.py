@@ -14,8 +14,8 @@ from consolidation.embeddings import PGVECTOR_AVAILABLE, require_vector_storage,
 from consolidation.errors import ConfigError
 from consolidation.fake_embeddings import embed_text
 from consolidation.fake_llm import FakeLLMServer
-from tests.integration.engine_helpers import ingest
 from tests.integration.test_replay_process import start_replay
+from tests.support.engine import ingest
 
 COLUMNS = """
 SELECT array_agg(column_name::text ORDER BY column_name) FROM information_schema.columns

@@ -16,7 +16,7 @@ from consolidation.engine import StopSignal
 from consolidation.fake_llm import FakeLLMServer
 from consolidation.llm import OfflineConsolidator
 from consolidation.settings import Settings
-from tests.integration.engine_helpers import (
+from tests.support.engine import (
     APPLY_GATE,
     consolidate,
     http_llm,
@@ -27,9 +27,9 @@ from tests.integration.engine_helpers import (
     topic,
     two_calls_while_the_first_apply_is_held,
     unretrieved_task_errors,
-    wait_for,
 )
-from tests.invariants import assert_consistent
+from tests.support.invariants import assert_consistent
+from tests.support.waiting import wait_for
 
 
 async def test_same_scope_calls_never_overlap_while_different_groups_do(

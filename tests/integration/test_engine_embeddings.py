@@ -17,9 +17,9 @@ from consolidation.fake_llm import FakeLLMServer
 from consolidation.llm import Consolidator, LLMAnswer
 from consolidation.prompts import Chat
 from consolidation.settings import Settings
-from tests.integration.engine_helpers import http_llm, ingest, logged_pool, markers
 from tests.integration.test_embedding_storage import OTHER_FACTS
-from tests.invariants import assert_consistent
+from tests.support.engine import http_llm, ingest, logged_pool, markers
+from tests.support.invariants import assert_consistent
 
 TWIN = "Alice loves green tea"
 OTHERS = OTHER_FACTS[:8]

@@ -14,7 +14,7 @@ import pytest
 from consolidation import store
 from consolidation.fake_llm import FakeLLMServer
 from consolidation.settings import Settings
-from tests.integration.engine_helpers import (
+from tests.support.engine import (
     consolidate,
     consolidate_notes,
     http_llm,

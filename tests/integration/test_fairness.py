@@ -11,8 +11,8 @@ from consolidation import queue, store
 from consolidation.engine import run_operation
 from consolidation.fake_llm import FakeLLMServer
 from consolidation.settings import Settings
-from tests.integration.engine_helpers import http_llm, ingest, markers, run_next, topics
-from tests.invariants import assert_consistent
+from tests.support.engine import http_llm, ingest, markers, run_next, topics
+from tests.support.invariants import assert_consistent
 
 # Three full waves of four memories of one scope: a wave's group waits for the previous wave's
 # (one scope's memories are applied in order), so a wave's close comes before the next starts.

@@ -19,16 +19,16 @@ from consolidation.engine import StopReason, StopSignal, run_operation
 from consolidation.errors import NotCancellable, NotFound
 from consolidation.fake_llm import BADJSON_MARKER, FakeLLMServer
 from consolidation.settings import Settings
-from tests.integration.engine_helpers import (
+from tests.support.engine import (
     consolidate,
     http_llm,
     ingest,
     markers,
     observations_by_scope,
     run_next,
-    wait_for,
 )
-from tests.invariants import assert_consistent, tables_containing
+from tests.support.invariants import assert_consistent, tables_containing
+from tests.support.waiting import wait_for
 
 SECRET = "zebraquartz"
 

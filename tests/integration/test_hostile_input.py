@@ -22,8 +22,8 @@ from consolidation.api import create_app
 from consolidation.fake_llm import ANSWER_MARKER, FakeLLMServer
 from consolidation.llm import OfflineConsolidator
 from consolidation.settings import Settings, load_settings
-from tests.integration.engine_helpers import consolidate, http_llm, ingest
-from tests.invariants import assert_consistent
+from tests.support.engine import consolidate, http_llm, ingest
+from tests.support.invariants import assert_consistent
 
 
 async def snapshot_bank(pool: asyncpg.Pool, bank: str) -> dict[str, Any]:

@@ -17,11 +17,12 @@ from consolidation.engine import StopReason, StopSignal
 from consolidation.errors import NotFound
 from consolidation.fake_llm import FakeLLMServer
 from tests.integration.conftest import ClientFactory
-from tests.integration.engine_helpers import http_llm, run_next, wait_for
-from tests.integration.engine_helpers import ingest as ingest_direct
 from tests.integration.test_api import assert_error, ingest
-from tests.invariants import tables_containing
-from tests.proxy import TcpProxy
+from tests.support.engine import http_llm, run_next
+from tests.support.engine import ingest as ingest_direct
+from tests.support.invariants import tables_containing
+from tests.support.proxy import TcpProxy
+from tests.support.waiting import wait_for
 
 
 async def test_delete_a_memory_answers_202_with_its_forget_operation_idempotently(

@@ -33,8 +33,9 @@ from consolidation.fake_llm import (
 from consolidation.llm import Consolidator
 from consolidation.runtime import build_consolidator
 from consolidation.settings import Settings, load_settings
-from tests.integration.engine_helpers import consolidate, http_llm, ingest, markers, wait_for
-from tests.invariants import assert_consistent
+from tests.support.engine import consolidate, http_llm, ingest, markers
+from tests.support.invariants import assert_consistent
+from tests.support.waiting import wait_for
 
 TEN_MB = 10 * 1024 * 1024
 

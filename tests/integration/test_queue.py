@@ -9,7 +9,7 @@ import pytest
 
 from consolidation import db, queue
 from consolidation.errors import LeaseLost
-from tests.integration.engine_helpers import wait_for
+from tests.support.waiting import wait_for
 
 
 async def expire(pool: asyncpg.Pool, lease: queue.Lease) -> None:

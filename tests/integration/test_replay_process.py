@@ -13,7 +13,8 @@ import orjson
 
 from consolidation import queue
 from consolidation.fake_llm import FakeLLMServer
-from tests.integration.engine_helpers import grew, ingest, markers, wait_for
+from tests.support.engine import grew, ingest, markers
+from tests.support.waiting import wait_for
 
 
 def start_replay(database_url: str, llm_url: str, *args: str, **env: str) -> subprocess.Popen[str]:

@@ -16,7 +16,7 @@ import asyncpg
 import orjson
 
 from consolidation.fake_llm import FakeLLMServer
-from tests.integration.engine_helpers import ingest, topics
+from tests.support.engine import ingest, topics
 
 BAR = re.compile(r"^\[[#.]{30}\] (\d+)/(\d+) memories \((\d+) failed\)$")
 

@@ -12,7 +12,7 @@ from consolidation import queue
 from consolidation.engine import run_operation
 from consolidation.settings import Settings
 from tests.integration.conftest import ClientFactory
-from tests.integration.engine_helpers import http_llm, ingest, topics
+from tests.support.engine import http_llm, ingest, topics
 
 
 def closed_port() -> int:

@@ -11,7 +11,7 @@ import pytest
 from consolidation import queue, store
 from consolidation.settings import Settings
 from consolidation.sweeper import run_sweeper, sweep_once
-from tests.integration.engine_helpers import ingest
+from tests.support.engine import ingest
 
 SETTINGS = Settings(retry_backoff_s=100)
 

@@ -25,7 +25,7 @@ from consolidation.errors import LLMConfigError, TransientLLMError
 from consolidation.fake_embeddings import embed_text
 from consolidation.fake_llm import FakeLLMConfig, FakeLLMServer
 from consolidation.settings import load_settings
-from tests.integration.engine_helpers import wait_for
+from tests.support.waiting import wait_for
 from tests.unit.test_llm import closing_clients, metric
 
 

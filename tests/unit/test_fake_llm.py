@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from consolidation.fake_llm import FakeLLMConfig, FakeLLMServer, create_app
-from tests.integration.engine_helpers import wait_for
+from tests.support.waiting import wait_for
 from tests.unit.test_llm import SYSTEM, user_message
 
 

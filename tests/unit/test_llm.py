@@ -26,7 +26,7 @@ from consolidation.fake_llm import FakeLLMConfig, FakeLLMServer
 from consolidation.http import parse_retry_after, retry_delay
 from consolidation.llm import HTTPConsolidator, LLMRetriesExhausted, OfflineConsolidator
 from consolidation.metrics import EventLoopLagMonitor
-from tests.integration.engine_helpers import wait_for
+from tests.support.waiting import wait_for
 from tests.unit.test_prompts import citations
 
 SYSTEM = "You consolidate memories."

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 from urllib.parse import urlsplit
@@ -18,11 +17,21 @@ from consolidation.fake_llm import FakeLLMServer
 from consolidation.llm import Consolidator, HTTPConsolidator
 from consolidation.memories import parse_memories
 from consolidation.settings import Settings
+from tests.support.waiting import wait_for
 
 
 async def ingest(pool: asyncpg.Pool, bank: str, memories: Sequence[dict[str, Any]]) -> list[Any]:
     result = await store.ingest_memories(pool, bank, parse_memories(list(memories)))
     return result.ids
+
+
+async def submit_after_ingest(
+    pool: asyncpg.Pool, bank: str, memories: Sequence[dict[str, Any]], **options: Any
+) -> queue.Operation:
+    """Ingest ``memories`` into ``bank``, then enqueue its consolidation (``options`` as
+    ``queue.submit`` takes them): the operation a worker under test is to run."""
+    await ingest(pool, bank, memories)
+    return (await queue.submit(pool, bank, **options)).operation
 
 
 async def run_next(
@@ -58,20 +67,6 @@ def http_llm(url: str, **overrides: Any) -> HTTPConsolidator:
     return HTTPConsolidator(**options)
 
 
-async def wait_for(condition: Callable[[], Any], timeout_s: float = 30.0, what: str = "") -> Any:
-    """Poll ``condition`` (sync or async) until truthy; fail after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what or condition}")
-        await asyncio.sleep(0.02)
-
-
 async def grew(pool: asyncpg.Pool, query: str, than: int) -> bool:
     """Whether the count ``query`` returns is now above ``than``."""
     return bool(await pool.fetchval(query) > than)
@@ -97,17 +92,6 @@ async def markers(pool: asyncpg.Pool, bank: str) -> dict[str, int]:
         bank,
     )
     return dict(row)
-
-
-async def wait_completed(pool: asyncpg.Pool, operation_id: Any, timeout_s: float = 60.0) -> None:
-    """Wait until the operation has completed (by whichever worker)."""
-    await wait_for(
-        lambda: pool.fetchval(
-            "SELECT status = 'completed' FROM operations WHERE id = $1", operation_id
-        ),
-        timeout_s,
-        what=f"operation {operation_id} to complete",
-    )
 
 
 def topics(count: int, per_topic: int) -> list[dict[str, Any]]:

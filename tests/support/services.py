@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import orjson
 
-from tests.integration.engine_helpers import wait_for
+from tests.support.waiting import wait_for
 
 
 def worker_env(database_url: str, llm_url: str, **extra: str) -> dict[str, str]:
@@ -28,6 +28,11 @@ def worker_env(database_url: str, llm_url: str, **extra: str) -> dict[str, str]:
         "CONSOLIDATION_AUTO_CONSOLIDATE": "false",
         **extra,
     }
+
+
+def variables(**settings: str) -> dict[str, str]:
+    """Settings as environment variables: ``LEASE_S="1"`` is ``CONSOLIDATION_LEASE_S="1"``."""
+    return {f"CONSOLIDATION_{key}": value for key, value in settings.items()}
 
 
 async def metric_total(urls: list[str], name: str) -> float:
@@ -105,3 +110,47 @@ class ServiceProcess:
             self.proc.kill()
             self.proc.wait(timeout=30)
         self._log_file.close()
+
+
+class Services:
+    """The `consolidation serve` processes of one test, their logs in ``log_dir``; whatever still
+    runs at tear-down is killed (:meth:`stop_all`)."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.started: list[ServiceProcess] = []
+
+    def start(self, name: str, env: dict[str, str], *args: str) -> ServiceProcess:
+        """Start ``consolidation serve *args`` with exactly ``env`` over the test's environment."""
+        service = ServiceProcess(name, self.log_dir, env, *args)
+        self.started.append(service)
+        return service
+
+    def stop_all(self) -> None:
+        for service in self.started:
+            service.stop()
+
+
+class Serve:
+    """Starts workers and services on the test's database and fake LLM with :func:`worker_env`;
+    a keyword ``LEASE_S="1"`` sets ``CONSOLIDATION_LEASE_S``."""
+
+    def __init__(self, services: Services, database_url: str, llm_url: str) -> None:
+        self.services = services
+        self.database_url = database_url
+        self.llm_url = llm_url
+
+    def __call__(
+        self, name: str, *args: str, database_url: str | None = None, **settings: str
+    ) -> ServiceProcess:
+        """``consolidation serve *args``; ``database_url`` replaces the test's (a proxy's)."""
+        env = worker_env(
+            database_url or self.database_url,
+            self.llm_url,
+            **variables(**settings),
+        )
+        return self.services.start(name, env, *args)
+
+    def worker(self, name: str, **settings: str) -> ServiceProcess:
+        """A worker without its API (``--no-api``)."""
+        return self(name, "--no-api", **settings)
