@@ -17,8 +17,8 @@ from consolidation.client import AsyncClient, InvalidRequest
 from consolidation.fake_llm import FakeLLMServer
 from consolidation.settings import Settings, load_settings
 from tests.integration.conftest import ClientFactory
-from tests.integration.engine_helpers import http_llm, ingest, markers, run_next, topics
-from tests.invariants import assert_consistent
+from tests.support.engine import http_llm, ingest, markers, run_next, topics
+from tests.support.invariants import assert_consistent
 
 # Three waves of four memories of one scope, two passes a wave (as in test_fairness.py).
 CONFIG = Settings(wave_size=4, llm_batch_size=2, retry_backoff_s=0)
