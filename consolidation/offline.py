@@ -162,6 +162,15 @@ def _spaced_cut(text: str) -> int | None:
     return None if end is None else end.end()
 
 
+_SENTENCE_CLOSERS = frozenset(".!?…\"')»”’")
+
+
+def _as_sentence(text: str) -> str:
+    """``text`` ending as a sentence: a full stop added when it ends in a word or a digit."""
+    text = text.rstrip()
+    return text if not text or text[-1] in _SENTENCE_CLOSERS else f"{text}."
+
+
 def _append(text: str, addition: str, fact: tuple[frozenset[str], str] | None = None) -> str:
     """``text`` followed by ``addition``, without repeating what one already says of the other.
     ``fact``: the words and normalized text of ``addition`` when it is a fact, which is
@@ -172,6 +181,10 @@ def _append(text: str, addition: str, fact: tuple[frozenset[str], str] | None = 
         return _fit(text)
     if _contains(new, old):
         return _fit(addition)
+    # Joined as sentences: a fact without its full stop ("… Go and Postgres") must not run on
+    # into the next one ("Sam switched to …").
+    text = _as_sentence(text)
+    old = _as_sentence(old)
     whole = f"{text} {addition}".strip()
     # The words of the whole are those of its parts (the space between them ends a word in
     # either), so the next request that shows the text written, and the next fact of this

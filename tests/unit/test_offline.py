@@ -103,7 +103,7 @@ def test_same_topic_facts_in_one_answer_grow_one_create() -> None:
     )
     assert answer["creates"] == [
         {
-            "text": "Alice drinks green tea every morning Alice drinks green tea at work now",
+            "text": "Alice drinks green tea every morning. Alice drinks green tea at work now",
             "facts": ["f1", "f2"],
         }
     ]
@@ -155,7 +155,7 @@ def test_update_then_merge_of_the_same_observation_becomes_one_merge() -> None:
     assert answer["merges"] == [
         {
             "observations": ["o2", "o1"],
-            "text": "Alice drinks tea. Alice works at the lab. Alice works at the lab daily "
+            "text": "Alice drinks tea. Alice works at the lab. Alice works at the lab daily. "
             "Alice drinks tea at the lab",
             "facts": ["f1", "f2"],
         }
@@ -380,3 +380,15 @@ def test_a_fact_that_pushes_out_the_oldest_sentence_leaves_the_kept_texts_words_
     assert offline._tokens._values[kept] == offline._derive_tokens(kept)
     assert "berlin" not in offline._tokens._values[kept]
     assert offline._normalized._values[kept] == offline._derive_normalized(kept)
+
+
+def test_facts_folded_into_one_observation_read_as_sentences() -> None:
+    text = "Sam builds the backend in Go and Postgres"
+    assert offline._append(text, "Sam switched to Rust in May") == (
+        "Sam builds the backend in Go and Postgres. Sam switched to Rust in May"
+    )
+    # A text that already ends a sentence gets no second full stop.
+    assert offline._append("Sam likes tea.", "Sam likes coffee too") == (
+        "Sam likes tea. Sam likes coffee too"
+    )
+    assert offline._append("Is Sam in?", "Sam is in") == "Is Sam in? Sam is in"
