@@ -27,12 +27,13 @@ from typing import Any
 
 import orjson
 
-from bench import fairness, fleet, realmodel, report, scenarios
 from bench.infra import pgvector_server
+from bench.perf import fairness, fleet, report, scenarios
+from bench.perf.workload import BankShape, generate
 from bench.quality import judge as quality_judge
 from bench.quality import render as quality_render
 from bench.quality import run as quality_run
-from bench.workload import BankShape, generate
+from bench.realmodel import run as realmodel
 
 DEFAULT_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -68,7 +69,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
                 bench, sizes, results["throughput"], args.loop, bank
             )
         if what == "realistic":
-            from bench import realistic
+            from bench.perf import realistic
 
             results["realistic"] = await realistic.realistic(
                 bench, sizes, args.loop, bank, args.median_ms, args.p99_ms
@@ -111,7 +112,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if "embeddings" in results:
         print(report.render_embeddings(results["embeddings"]))
     if "realistic" in results:
-        from bench import realistic
+        from bench.perf import realistic
 
         print(realistic.render(results["realistic"]))
     print(f"\nJSON: {path}")
@@ -152,7 +153,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_recall(args: argparse.Namespace) -> int:
-    from bench import recall, recall_data
+    from bench.recall import data as recall_data
+    from bench.recall import run as recall
 
     if args.regenerate:
         print(f"wrote {recall_data.write()}")
@@ -167,7 +169,7 @@ def cmd_recall(args: argparse.Namespace) -> int:
 
 
 def cmd_minilm(args: argparse.Namespace) -> int:
-    from bench import minilm
+    from bench.recall import minilm
 
     if args.check:
         result = minilm.check()

@@ -26,7 +26,7 @@ import asyncpg
 import httpx
 import orjson
 
-from bench.workload import BankShape, chunks
+from bench.perf.workload import BankShape, chunks
 from consolidation import db, store
 from consolidation.memories import parse_memories
 

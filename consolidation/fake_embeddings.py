@@ -7,7 +7,7 @@ stem, the *concept* of words found in a small synonym table (so "Alice adores ma
 weight (so "colour" and "color" stay close). Paraphrases built from the table are therefore
 close, texts with no word or concept in common are nearly orthogonal, and the same text gets
 the same vector in every process. Good enough to exercise hybrid recall in tests and
-benchmarks; the recall-quality benchmark uses a real model (bench/minilm.py).
+benchmarks; the recall-quality benchmark uses a real model (bench/recall/minilm.py).
 """
 
 from __future__ import annotations

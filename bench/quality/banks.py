@@ -13,7 +13,7 @@ from pathlib import Path
 
 import orjson
 
-from bench.realmodel_report import BANK_FILE, Bank, load_bank
+from bench.realmodel.report import BANK_FILE, Bank, load_bank
 
 BANKS_DIR = Path(__file__).resolve().parent / "banks"
 DEFAULT_BANK_FILES = (

@@ -1,7 +1,7 @@
 """The quality judge: what the observations of one run are worth against a bank's labels, and
 the trivial baselines every figure is printed beside. Pure.
 
-The lane's judge (:func:`bench.realmodel_report.judge`) decides duplicates, state changes,
+The lane's judge (:func:`bench.realmodel.report.judge`) decides duplicates, state changes,
 singles and mixing; this one adds hard negatives merged, unsupported content, skipped memories
 and the observation count a perfect answer has.
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.quality.banks import QualityBank
-from bench.realmodel_report import ObservationSeen, judge
+from bench.realmodel.report import ObservationSeen, judge
 
 # Function words, and the few words a faithful rewrite needs to tell history ("used to live in
 # Paris, now in Berlin"): neither is content a model could invent.

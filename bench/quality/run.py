@@ -23,11 +23,12 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from bench import realmodel, report
 from bench.infra import Databases, pgvector_server, stop_process
+from bench.perf import report
 from bench.quality.banks import DEFAULT_BANK_FILES, QualityBank, load_banks
 from bench.quality.judge import MemoryFate, StoredObservation, baselines, judge_quality
-from bench.realmodel_server import DEFAULT_HOME, MODELS
+from bench.realmodel import run as realmodel
+from bench.realmodel.server import DEFAULT_HOME, MODELS
 from consolidation import db
 
 Log = Callable[[str], None]

@@ -8,7 +8,7 @@ batch (or the piece of it being retried) is split in halves that go to the front
 plans its passes again from what its members still need — so a memory that failed alone, or a
 scope already applied, is never asked for again.
 
-The engine runs these plans; ``bench/plan.py`` counts the same plans to compute ideal times.
+The engine runs these plans; ``bench/perf/plan.py`` counts the same plans to compute ideal times.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from bench.fleet import Load, freshness, in_flight_mean, limits, percentile, verdict
+from bench.perf.fleet import Load, freshness, in_flight_mean, limits, percentile, verdict
 
 
 def test_percentile_is_the_nearest_rank_value() -> None:

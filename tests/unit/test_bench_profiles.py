@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.profiles import parse_perf_report
+from bench.perf.profiles import parse_perf_report
 
 
 def test_a_row_is_its_first_percentage_and_the_name_after_its_percentages() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.realistic import observed
+from bench.perf.realistic import observed
 
 
 def test_the_bound_is_the_total_over_the_slots_when_no_chain_is_longer() -> None:

@@ -30,11 +30,11 @@ import asyncpg
 import orjson
 
 from bench.infra import FakeLLM, start_worker, with_database
-from bench.workload import BankShape, chunks, generate
+from bench.perf.workload import BankShape, chunks, generate
 from consolidation import db, queue, store
 from consolidation.memories import parse_memories
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 BIG = "big"
 SMALL_BANKS = 50
 SMALL_MEMORIES = 20

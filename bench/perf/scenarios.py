@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.child import LagMonitor, RunSpec, proc_cpu_s
 from bench.infra import BANK, Databases, FakeLLM
-from bench.runner import run_child
-from bench.workload import BankShape
+from bench.perf.child import LagMonitor, RunSpec, proc_cpu_s
+from bench.perf.runner import run_child
+from bench.perf.workload import BankShape
 from consolidation.settings import load_settings
 
 Log = Callable[[str], None]
@@ -171,7 +171,9 @@ class Bench:
         finally:
             await self.dbs.drop(url)
         record = _record(scenario, result, stats, fake_cpu, load_before, _loadavg())
-        if scenario.fake_args:  # bench/realistic.py computes its bound from the calls' own times
+        if (
+            scenario.fake_args
+        ):  # bench/perf/realistic.py computes its bound from the calls' own times
             record["call_intervals"] = stats.get("call_intervals", [])
         self.log(_one_line(record))
         return record
@@ -412,7 +414,7 @@ async def replay_database_work(
     bench: Bench, scenario: Scenario, recording: Path, repeat: int
 ) -> dict[str, Any]:
     """The recorded database work of ``scenario``'s bank alone, on a fresh clone
-    (bench/dbonly.py): no engine, no LLM, no HTTP."""
+    (bench/perf/dbonly.py): no engine, no LLM, no HTTP."""
     template = await bench.template(scenario.shape)
     url = await bench.dbs.clone(template)
     try:
@@ -541,7 +543,7 @@ async def profile(
 ) -> dict[str, Any]:
     """The zero-latency run under py-spy (samples of the engine's Python stacks), under
     pyinstrument, and under ``perf record`` (what is on the CPU) where perf is installed."""
-    from bench.profiles import perf_split, render, render_perf, summarize
+    from bench.perf.profiles import perf_split, render, render_perf, summarize
 
     shape = bank.shape(sizes.throughput_memories)
     scenario = Scenario(

@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-BANK_FILE = Path(__file__).resolve().parent / "data" / "realmodel_bank.json"
+BANK_FILE = Path(__file__).resolve().parents[1] / "data" / "realmodel_bank.json"
 # Memory ids are derived from the bank's keys, so the lane can map observations back to labels.
 _ID_NAMESPACE = uuid.UUID("5b7e1c1e-8f0b-4a8e-9a51-2f1d4c6b7a10")
 

@@ -112,7 +112,7 @@ def render(summary: dict[str, Any]) -> str:
     lines = [
         f"py-spy samples on CPU: {summary['samples']}",
         "",
-        "by library the engine called (see bench/profiles.py):",
+        "by library the engine called (see bench/perf/profiles.py):",
     ]
     lines += [f"  {share:6.1%}  {name}" for name, share in summary["by_library"].items()]
     lines += ["", "self time, top functions:"]

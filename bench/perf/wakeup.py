@@ -1,6 +1,6 @@
 """How fast an idle worker picks up a submitted operation (LISTEN/NOTIFY, not polling).
 
-    python -m bench.wakeup [--samples 30]
+    python -m bench.perf.wakeup [--samples 30]
 
 Starts `consolidation serve --no-api` with an hour-long poll interval against a scratch
 database, submits operations one at a time, and reports started_at - created_at of each (both

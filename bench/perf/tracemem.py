@@ -1,6 +1,6 @@
 """Python memory over one long operation: does the engine keep anything per wave?
 
-``python -m bench.tracemem [MEMORIES]`` (default 20,000) ingests the benchmark's bank into a
+``python -m bench.perf.tracemem [MEMORIES]`` (default 20,000) ingests the benchmark's bank into a
 scratch database on ``BENCH_DATABASE_URL``'s server, runs one operation with the offline
 consolidator (no HTTP: only the engine's own objects), and prints the memory ``tracemalloc``
 traces every ten waves, then the allocations that grew most between wave 10 and the end. A
@@ -20,8 +20,8 @@ from typing import Any
 
 import asyncpg
 
-from bench.scenarios import DEFAULT_BANK
-from bench.workload import generate
+from bench.perf.scenarios import DEFAULT_BANK
+from bench.perf.workload import generate
 from consolidation import db, queue, store
 from consolidation.engine import RunSummary, run_operation
 from consolidation.llm import OfflineConsolidator

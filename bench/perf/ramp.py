@@ -1,6 +1,6 @@
 """How long a process's first LLM calls take to get going with ``LLM_RESPONSE_FORMAT=auto``.
 
-    python -m bench.ramp [--calls 8] [--latency-ms 100] [--repeats 5]
+    python -m bench.perf.ramp [--calls 8] [--latency-ms 100] [--repeats 5]
 
 N passes start together on a fresh client (as the groups of a ``serve`` start or a
 ``replay`` do) against the fake LLM at a fixed latency, once with a server that accepts

@@ -1,9 +1,9 @@
 """Recall quality: is the observation a new fact should update (its *twin*) among what the pass
 is shown? Full text alone against hybrid (full text + cosine, fused), with a real embedding model
-on CPU (all-MiniLM-L6-v2, bench/minilm.py) behind an OpenAI-compatible ``/v1/embeddings``.
+on CPU (all-MiniLM-L6-v2, bench/recall/minilm.py) behind an OpenAI-compatible ``/v1/embeddings``.
 
     python -m bench recall                  # the labelled set of bench/data/recall_cases.json
-    python -m bench recall --regenerate     # write that set again from bench/recall_data.py
+    python -m bench recall --regenerate     # write that set again from bench/recall/data.py
 
 Every recall goes through ``store.recall``, the statement the engine runs (the production SQL
 functions ``consolidation_recall`` and ``consolidation_recall_hybrid_v1``), on a Postgres with
@@ -31,8 +31,8 @@ from typing import Any
 
 import asyncpg
 
-from bench import recall_data
 from bench.infra import pgvector_server, with_database
+from bench.recall import data as recall_data
 from consolidation import db, store
 from consolidation.embeddings import HTTPEmbedder
 
@@ -200,7 +200,7 @@ async def _recall_time(
 
 async def run(admin_url: str, log: Log = print) -> dict[str, Any]:
     """The whole benchmark; returns its figures (see the module docstring)."""
-    from bench import minilm
+    from bench.recall import minilm
 
     data = recall_data.load()
     cases = data["cases"]

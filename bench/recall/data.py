@@ -24,7 +24,7 @@ from typing import Any
 
 import orjson
 
-DATA = Path(__file__).resolve().parent / "data" / "recall_cases.json"
+DATA = Path(__file__).resolve().parents[1] / "data" / "recall_cases.json"
 SEED = 12
 
 # (observation it should update, the new fact in other words). {n} is the person.

@@ -47,12 +47,12 @@ import asyncpg
 import httpx
 import orjson
 
-from bench.child import proc_cpu_s
 from bench.infra import FakeLLM, with_database
-from bench.workload import BankShape, generate
+from bench.perf.child import proc_cpu_s
+from bench.perf.workload import BankShape, generate
 from consolidation import db
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 APPLICATION = "bench-fleet"
 SAMPLE_S = 0.5
 WARMUP_SHARE = 0.2

@@ -1,6 +1,6 @@
 """Run ONE consolidation operation in this (fresh) process and print its measurements as JSON.
 
-``python -m bench.child RESULT.json`` reads a :class:`RunSpec` as JSON on stdin and writes a
+``python -m bench.perf.child RESULT.json`` reads a :class:`RunSpec` as JSON on stdin and writes a
 JSON result to RESULT.json; logs go to stderr (the driver sends them to a file). One process per
 run keeps runs independent and makes peak RSS (``ru_maxrss``) the engine's own.
 
@@ -8,7 +8,7 @@ What it does: opens an asyncpg pool like ``db.create_pool`` (plus a query logger
 statements per wave), an :class:`HTTPConsolidator` pointed at the fake LLM, starts a foreground
 operation (``queue.start_foreground``) and runs ``engine.run_operation`` on it while an
 :class:`EventLoopLagMonitor` samples the loop. ``store.fetch_wave`` is wrapped (in this process
-only) so each wave is planned by :class:`bench.plan.PlanTracker` and timed.
+only) so each wave is planned by :class:`bench.perf.plan.PlanTracker` and timed.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 import asyncpg
 import orjson
 
-from bench.plan import PlanTracker
+from bench.perf.plan import PlanTracker
 from consolidation import db, queue, runtime, store
 from consolidation.embeddings import build_embedder, require_vector_storage
 from consolidation.engine import run_operation
@@ -59,7 +59,7 @@ class RunSpec:
     loop: str = "auto"  # CONSOLIDATION_EVENT_LOOP: auto (as the service), uvloop or asyncio
     # Time every event-loop callback and report the slowest (diagnoses lag; costs ~1 µs each).
     trace_callbacks: bool = False
-    # Write the run's database work to this file (bench/dbonly.py), or replay such a file
+    # Write the run's database work to this file (bench/perf/dbonly.py), or replay such a file
     # instead of running the engine.
     record_to: str | None = None
     replay_from: str | None = None
@@ -349,7 +349,7 @@ async def run(spec: RunSpec) -> dict[str, Any]:
     store.fetch_wave = planned_fetch_wave  # type: ignore[assignment]
     recorder = None
     if spec.record_to:
-        from bench.dbonly import Recorder
+        from bench.perf.dbonly import Recorder
 
         recorder = Recorder()
         recorder.install()
@@ -427,7 +427,7 @@ async def run(spec: RunSpec) -> dict[str, Any]:
 
 
 async def replay(spec: RunSpec) -> dict[str, Any]:
-    from bench.dbonly import replay as replay_recording
+    from bench.perf.dbonly import replay as replay_recording
 
     settings = load_settings(**spec.settings)
     assert spec.replay_from is not None

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from bench.scenarios import DEFAULT_BANK, BankOptions, Bench, Scenario, Sizes, _median
+from bench.perf.scenarios import DEFAULT_BANK, BankOptions, Bench, Scenario, Sizes, _median
 
 TARGET_EFFICIENCY = 0.95
 MEDIAN_MS = 1000

@@ -28,9 +28,9 @@ from typing import Any
 
 import orjson
 
-from bench import report
 from bench.infra import Databases
-from bench.realmodel_report import (
+from bench.perf import report
+from bench.realmodel.report import (
     BANK_FILE,
     Bank,
     ObservationSeen,
@@ -40,7 +40,7 @@ from bench.realmodel_report import (
     log_events,
     render_table,
 )
-from bench.realmodel_server import (
+from bench.realmodel.server import (
     DEFAULT_HOME,
     DEFAULT_MODEL,
     MODELS,

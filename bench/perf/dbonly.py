@@ -111,7 +111,7 @@ class Recorder:
 
 class CPUMeter(Protocol):
     """CPU seconds of the Postgres backends serving a pool, between :meth:`start` and
-    :meth:`stop` (bench/child.py's ``_BackendCPU``)."""
+    :meth:`stop` (bench/perf/child.py's ``_BackendCPU``)."""
 
     def start(self) -> None: ...
 

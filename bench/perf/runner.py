@@ -1,4 +1,4 @@
-"""Start one engine run in a child process (``python -m bench.child``) and collect its result."""
+"""Start one engine run in a child process (``python -m bench.perf.child``) and collect its result."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from typing import Any
 
 import orjson
 
-from bench.child import RunSpec
+from bench.perf.child import RunSpec
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 async def run_child(spec: RunSpec, log_path: Path, timeout_s: float = 1800) -> dict[str, Any]:
@@ -29,7 +29,7 @@ async def run_child(spec: RunSpec, log_path: Path, timeout_s: float = 1800) -> d
     with log_path.open("wb") as log:
         result_path = log_path.with_suffix(".result.json")
         result_path.unlink(missing_ok=True)
-        command = [sys.executable, "-m", "bench.child", str(result_path)]
+        command = [sys.executable, "-m", "bench.perf.child", str(result_path)]
         if spec.profile == "perf" and spec.profile_out:
             # The kernel's own on-CPU samples (cpu-clock), off until the child switches them on
             # around the operation (RunSpec.perf_control).

@@ -1,0 +1,1 @@
+"""Schedule, throughput, lag and memory of the engine against the fake LLM."""

@@ -1,0 +1,1 @@
+"""The real-model lane: llama-cpp-python and a GGUF from a registry package."""
