@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import asyncpg
 import structlog
 
-from consolidation import db, metrics, queue, store
+from consolidation import ask_v2, db, metrics, queue, store
 from consolidation.embeddings import Embedder
 from consolidation.errors import (
     InvalidLLMOutput,
@@ -29,7 +29,8 @@ from consolidation.errors import (
     LLMConfigError,
     OperationCancelled,
 )
-from consolidation.llm import Consolidator, LLMRetriesExhausted
+from consolidation.llm import Consolidator, LLMAnswer, LLMRetriesExhausted, OfflineConsolidator
+from consolidation.narrow import narrow_options
 from consolidation.perf import PerfLog
 from consolidation.plan import GroupPlan, Pass, plan_wave, planned_passes
 from consolidation.prompts import (
@@ -948,6 +949,23 @@ class OperationRun:
         return replace(write, observations=observations), upcoming
 
     async def _ask(self, request: PassRequest, chat: Chat, perf: PerfLog) -> PassPlan:
+        # --- contract v2 hook: the pass answered by narrowed questions (consolidation.ask_v2) --
+        offline = isinstance(self.llm, OfflineConsolidator)
+        if (self.embedder is not None) if offline else self.settings.llm_contract == "v2":
+            return await ask_v2.answer_pass(
+                request,
+                None if offline else functools.partial(self._complete, perf=perf),
+                None if self.embedder is None else functools.partial(self._embed, perf=perf),
+                narrow_options(self.settings),
+            )
+        # --- end of the v2 hook -------------------------------------------------------------
+        answer = await self._complete(chat, perf)
+        plan = parse_answer(answer.content, request)
+        perf.llm_repaired += int(chat.repair)
+        return plan
+
+    async def _complete(self, chat: Chat, perf: PerfLog) -> LLMAnswer:
+        """One chat completion, counted in ``perf``."""
         started = time.monotonic()
         perf.llm_calls += 1
         perf.llm_repairs += int(chat.repair)
@@ -967,9 +985,7 @@ class OperationRun:
         perf.llm_retries += answer.retries
         perf.prompt_tokens += answer.prompt_tokens
         perf.completion_tokens += answer.completion_tokens
-        plan = parse_answer(answer.content, request)
-        perf.llm_repaired += int(chat.repair)
-        return plan
+        return answer
 
 
 async def _let_requests_leave() -> None:
