@@ -70,7 +70,9 @@ async def answer_pass(
                 for _, g in wanted
             )
         )
-    return narrow.to_plan(groups, {i: text for (i, _), text in zip(wanted, texts_of, strict=True)})
+    return narrow.to_plan(
+        inputs, groups, {i: text for (i, _), text in zip(wanted, texts_of, strict=True)}
+    )
 
 
 async def _decide(

@@ -46,6 +46,8 @@ class NarrowOptions:
     # near is the same subject.
     local_cosine: float = 0.7
     local_lexical: float = offline.SIMILARITY_THRESHOLD
+    # ... and at least this near, a restatement in other words: cited, its text kept.
+    local_same_cosine: float = 0.9
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,8 @@ def pick_candidates(
 
 def local_decisions(found: Candidates, options: NarrowOptions) -> dict[str, Decision]:
     """The decisions of the offline consolidator: the nearest candidate, if near enough, is the
-    same subject — ``same`` when it already says everything the fact says, else ``update``."""
+    same subject — ``same`` when it already says everything the fact says (or is nearly the
+    same vector), else ``update``."""
     decisions: dict[str, Decision] = {}
     for question in found.questions:
         ref = question.fact.ref
@@ -152,9 +155,12 @@ def local_decisions(found: Candidates, options: NarrowOptions) -> dict[str, Deci
             question.candidates,
             key=lambda c: found.nearness.get((ref, c.ref), 0.0),
         )
-        if found.nearness.get((ref, best.ref), 0.0) < floor:
+        near = found.nearness.get((ref, best.ref), 0.0)
+        if near < floor:
             decisions[ref] = Decision(NEW)
-        elif says_all(best.text, question.fact.text):
+        elif says_all(best.text, question.fact.text) or (
+            ref in found.by_cosine and near >= options.local_same_cosine
+        ):
             decisions[ref] = Decision(SAME, best.ref)
         else:
             decisions[ref] = Decision(UPDATE, best.ref)
@@ -209,14 +215,21 @@ def assemble(inputs: PassInputs, decisions: Mapping[str, Decision]) -> list[Grou
     return groups
 
 
-def to_plan(groups: Sequence[Group], texts: Mapping[int, str]) -> PassPlan:
+def to_plan(inputs: PassInputs, groups: Sequence[Group], texts: Mapping[int, str]) -> PassPlan:
     """The pass plan of ``groups``, each with its new text if ``texts`` has one (by position)
     else its base text. Observations that end with the same text are one: a merge (into the
-    first existing one), or a create folded into the existing one."""
+    first existing one), or a create folded into the existing one — also into a recalled
+    observation no fact touched."""
     by_text: dict[str, list[tuple[Group, str]]] = {}
     for position, group in enumerate(groups):
         text = texts.get(position, group.base.text)
         by_text.setdefault(_normalized(text), []).append((group, text))
+    touched = {g.observation.ref for g in groups if g.observation is not None}
+    for observation in inputs.observations:
+        same = by_text.get(_normalized(observation.text))
+        if observation.ref not in touched and same and all(g.observation is None for g, _ in same):
+            same.insert(0, (Group(observation=observation), observation.text))
+            touched.add(observation.ref)
     creates: list[CreateAction] = []
     updates: list[UpdateAction] = []
     merges: list[MergeAction] = []
