@@ -9,6 +9,7 @@ python -m bench generate N > bank.jsonl   # a bank for `consolidation ingest`
 python -m bench recall         # recall quality: full text vs hybrid, all-MiniLM-L6-v2 on CPU
 python -m bench minilm [--check | --port N]   # that model behind /v1/embeddings
 python -m bench realmodel      # against llama-cpp-python and a real GGUF (docs/real-models.md)
+python -m bench quality --oracle|--offline|--model M|--base-url U   # observation quality
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ import orjson
 
 from bench import fairness, realmodel, report, scenarios
 from bench.infra import pgvector_server
+from bench.quality import judge as quality_judge
+from bench.quality import render as quality_render
+from bench.quality import run as quality_run
 from bench.workload import BankShape, generate
 
 DEFAULT_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -177,6 +181,29 @@ def cmd_realmodel(args: argparse.Namespace) -> int:
     return 0 if results["operation"].get("status") == "completed" else 1
 
 
+def cmd_quality(args: argparse.Namespace) -> int:
+    if args.report:
+        saved = orjson.loads(args.report.read_bytes())
+        if args.markdown:
+            print(quality_render.render_markdown(saved))
+            print()
+            print(quality_render.render_baselines_markdown(saved))
+        else:
+            print(quality_render.render(saved))
+        return 0
+    results = asyncio.run(quality_run.run(args, _log))
+    path = _save(results, args.results_dir, f"quality-{results['mode']}")
+    print(quality_render.render(results))
+    print(f"\nJSON: {path}")
+    banks = results["banks"].values()
+    if not all((b.get("operation") or {}).get("status") == "completed" for b in banks):
+        return 1
+    # The oracle's shortfalls are the pipeline's own: a gate, not a figure.
+    if results["mode"] == "oracle" and any(quality_judge.shortfalls(b["judgement"]) for b in banks):
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -260,6 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_minilm)
     realmodel.add_parser(sub, os.environ.get("BENCH_DATABASE_URL", DEFAULT_URL), RESULTS)
     sub.choices["realmodel"].set_defaults(handler=cmd_realmodel)
+    quality_run.add_parser(sub, os.environ.get("BENCH_DATABASE_URL", DEFAULT_URL), RESULTS)
+    sub.choices["quality"].set_defaults(handler=cmd_quality)
     return parser
 
 
