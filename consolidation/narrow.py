@@ -144,22 +144,26 @@ def pick_candidates(
 
 
 def local_decisions(found: Candidates, options: NarrowOptions) -> dict[str, Decision]:
-    """The decisions of the offline consolidator: the nearest candidate, if near enough, is the
-    same subject — ``same`` when it already says everything the fact says (or is nearly the
-    same vector), else ``update``."""
+    """The decisions of the offline consolidator: the nearest candidate that is near enough —
+    by its vector, or by the words it shares with the fact, as the v1 offline policy judges —
+    is the same subject: ``same`` when it already says everything the fact says (or is nearly
+    the same vector), else ``update``. None near enough: ``new``."""
     decisions: dict[str, Decision] = {}
     for question in found.questions:
         ref = question.fact.ref
-        floor = options.local_cosine if ref in found.by_cosine else options.local_lexical
-        best = max(
-            question.candidates,
-            key=lambda c: found.nearness.get((ref, c.ref), 0.0),
-        )
-        near = found.nearness.get((ref, best.ref), 0.0)
-        if near < floor:
+        cosines = ref in found.by_cosine
+        near: list[tuple[float, Shown]] = []
+        for candidate in question.candidates:
+            score = found.nearness.get((ref, candidate.ref), 0.0)
+            shared = offline.similarity(question.fact.text, candidate.text)
+            if (cosines and score >= options.local_cosine) or shared >= options.local_lexical:
+                near.append((score, candidate))
+        if not near:
             decisions[ref] = Decision(NEW)
-        elif says_all(best.text, question.fact.text) or (
-            ref in found.by_cosine and near >= options.local_same_cosine
+            continue
+        score, best = max(near, key=lambda pair: pair[0])
+        if says_all(best.text, question.fact.text) or (
+            cosines and score >= options.local_same_cosine
         ):
             decisions[ref] = Decision(SAME, best.ref)
         else:
