@@ -39,8 +39,8 @@ class NarrowOptions:
     """How candidates are picked and how many facts one decide call carries."""
 
     candidates: int = 2  # nearest observations per fact, and as many earlier facts
-    cosine_floor: float = 0.5  # with embeddings: no candidate below it
-    lexical_floor: float = 0.34  # without: offline.similarity below it is no candidate
+    cosine_floor: float = 0.4  # with embeddings: no candidate below it
+    lexical_floor: float = 0.2  # without: offline.similarity below it is no candidate
     facts_per_call: int = 8
     # Deciding without a model (the offline consolidator): the nearest candidate at least this
     # near is the same subject.

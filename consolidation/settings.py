@@ -83,10 +83,10 @@ class Settings(BaseSettings):
         default=2, ge=1, le=16, description="v2: nearest observations (and earlier facts) per fact."
     )
     llm_v2_cosine_floor: float = Field(
-        default=0.5, ge=-1, le=1, description="v2 with embeddings: no candidate below this cosine."
+        default=0.4, ge=-1, le=1, description="v2 with embeddings: no candidate below this cosine."
     )
     llm_v2_lexical_floor: float = Field(
-        default=0.34,
+        default=0.2,
         ge=0,
         le=1,
         description="v2 without embeddings: no candidate below this word overlap.",

@@ -69,7 +69,7 @@ async def test_v2_collapses_a_restatement_joins_an_update_and_keeps_an_unrelated
         "b",
         [
             memory("Alice lives in Berlin.", "01-01"),
-            memory("Alice plays the cello.", "01-02"),
+            memory("Bob plays the cello.", "01-02"),
             memory("Alice lives in Berlin.", "01-03"),
             memory("Alice moved from Berlin to Munich.", "03-01"),
         ],
@@ -84,7 +84,7 @@ async def test_v2_collapses_a_restatement_joins_an_update_and_keeps_an_unrelated
             "Alice lives in Berlin.",
             "Alice moved from Berlin to Munich.",
         },
-        "Alice plays the cello.": {"Alice plays the cello."},
+        "Bob plays the cello.": {"Bob plays the cello."},
     }
     counts = await markers(pool, "b")
     assert counts["consolidated"] == 4
@@ -92,16 +92,16 @@ async def test_v2_collapses_a_restatement_joins_an_update_and_keeps_an_unrelated
 
     # The next operation sees what the first wrote: a restatement is cited, its text kept.
     llm.requests.clear()
-    await ingest(pool, "b", [memory("Alice plays the cello.", "04-01")])
+    await ingest(pool, "b", [memory("Bob plays the cello.", "04-01")])
     end = await consolidate(pool, "b", llm, V2)
     assert end.status == "completed", end.error
     assert llm.tasks() == ["decide"]
     observations = await texts_and_sources(pool, "b")
     assert len(observations) == 2
-    assert observations["Alice plays the cello."] == {"Alice plays the cello."}
+    assert observations["Bob plays the cello."] == {"Bob plays the cello."}
     cited = await pool.fetchval(
         "SELECT count(*) FROM observation_sources s JOIN observations o"
-        " ON o.id = s.observation_id WHERE o.text = 'Alice plays the cello.'"
+        " ON o.id = s.observation_id WHERE o.text = 'Bob plays the cello.'"
     )
     assert cited == 2
 
@@ -109,7 +109,7 @@ async def test_v2_collapses_a_restatement_joins_an_update_and_keeps_an_unrelated
 async def test_facts_with_no_candidate_make_no_call_and_keep_their_own_text(
     pool: asyncpg.Pool, fake: FakeLLMServer, llm: Recorder
 ) -> None:
-    facts = ["Alice plays the cello.", "Alice fears spiders.", "Alice was born in Porto."]
+    facts = ["Alice plays the cello.", "Bob fears spiders.", "Carol was born in Porto."]
     await ingest(pool, "b", [memory(t, f"01-0{i + 1}") for i, t in enumerate(facts)])
     end = await consolidate(pool, "b", llm, V2)
     assert end.status == "completed", end.error
@@ -128,7 +128,7 @@ async def test_each_fact_is_pinned_to_new_or_its_own_candidates(
     await ingest(
         pool,
         "b",
-        [memory("Alice fears spiders.", "02-01"), memory("Alice lives in Berlin now.", "02-02")],
+        [memory("Bob fears spiders.", "02-01"), memory("Alice lives in Berlin now.", "02-02")],
     )
     end = await consolidate(pool, "b", llm, V2)
     assert end.status == "completed", end.error
