@@ -58,7 +58,9 @@ async def answer_pass(
         size = options.facts_per_call
         chunks = [found.questions[i : i + size] for i in range(0, len(found.questions), size)]
         answers = await asyncio.gather(*(_decide(complete, inputs, chunk) for chunk in chunks))
-        decisions = {ref: d for answer in answers for ref, d in answer.items()}
+        decisions = narrow.checked_decisions(
+            found, {ref: d for answer in answers for ref, d in answer.items()}
+        )
     groups = narrow.assemble(inputs, decisions)
     wanted = [(i, g) for i, g in enumerate(groups) if g.updating]
     if complete is None:

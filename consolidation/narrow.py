@@ -171,6 +171,21 @@ def local_decisions(found: Candidates, options: NarrowOptions) -> dict[str, Deci
     return decisions
 
 
+def checked_decisions(found: Candidates, decisions: Mapping[str, Decision]) -> dict[str, Decision]:
+    """``decisions`` as the engine applies them: a ``same`` whose candidate does not already
+    say all the fact says is an ``update``, so that a change the model took for a restatement
+    still reaches the text (the rewrite's guards keep it honest)."""
+    checked = dict(decisions)
+    for question in found.questions:
+        decision = decisions.get(question.fact.ref)
+        if decision is None or decision.kind != SAME:
+            continue
+        target = next(c for c in question.candidates if c.ref == decision.target)
+        if not says_all(target.text, question.fact.text):
+            checked[question.fact.ref] = Decision(UPDATE, decision.target)
+    return checked
+
+
 # --- assembly -----------------------------------------------------------------------------
 
 

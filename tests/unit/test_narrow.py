@@ -232,3 +232,15 @@ async def test_the_fake_llm_speaks_v2_over_http() -> None:
     assert response.status_code == 200
     content = response.json()["choices"][0]["message"]["content"]
     assert orjson.loads(content) == {"f1": "same:o1"}
+
+
+def test_a_same_whose_candidate_does_not_say_it_all_is_applied_as_an_update() -> None:
+    given = inputs(
+        ["Anna lives in Munich now.", "Anna lives in Berlin!"], ["Anna lives in Berlin."]
+    )
+    found = narrow.pick_candidates(given, None, OPTIONS)
+    said = {"f1": Decision("same", "o1"), "f2": Decision("same", "o1")}
+    assert narrow.checked_decisions(found, said) == {
+        "f1": Decision("update", "o1"),
+        "f2": Decision("same", "o1"),
+    }
