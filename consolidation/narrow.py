@@ -41,7 +41,7 @@ class NarrowOptions:
     candidates: int = 2  # nearest observations per fact, and as many earlier facts
     cosine_floor: float = 0.4  # with embeddings: no candidate below it
     lexical_floor: float = 0.2  # without: offline.similarity below it is no candidate
-    facts_per_call: int = 8
+    facts_per_call: int = 1  # a small model compares one fact with its candidates far better
     # Deciding without a model (the offline consolidator): the nearest candidate at least this
     # near is the same subject.
     local_cosine: float = 0.7

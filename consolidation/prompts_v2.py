@@ -27,20 +27,19 @@ SAME = "same"
 UPDATE = "update"
 
 DECIDE_PROMPT = """\
-You keep an AI agent's memory tidy: one observation per fact about one thing. INPUT is one JSON \
-object; its "facts" are new facts, each with a few "candidates": existing observations (refs \
-starting with o) or earlier facts (refs starting with f) that may say the same thing.
+You keep an AI agent's memory tidy. INPUT is one JSON object; its "facts" are new facts, each \
+with a few "candidates": existing observations (refs starting with o) or earlier facts (refs \
+starting with f) that may be about the same thing.
 
 For EACH fact answer one of:
-- "same:<ref>" when the fact says what that candidate says: the same fact, maybe in other words \
-or with a detail more;
-- "update:<ref>" when the fact changes what that candidate says: the same thing of the same \
-person now has another value (moved elsewhere, a new job, a new date, switched to something else);
-- "new" otherwise. A different fact about the same person, project, place or thing is "new": \
-"The backend is written in Go" and "Maria leads the design" are two facts about one project, \
-so "new"; two different people with the same name are "new".
+- "same:<ref>" when the fact says what that candidate says (a restatement, maybe in other words);
+- "update:<ref>" when the fact is about the very same subject and person as that candidate and \
+changes or adds to it (a new state, a changed plan or preference, a new detail of that one thing);
+- "new" when no candidate is about the same specific subject. Sharing a name, a project or a \
+place is NOT enough: two different things about one project are "new".
 
-ANSWER with one JSON object mapping each fact ref to its answer, e.g. {"f3": "new"}. Nothing else.
+ANSWER with one JSON object mapping each fact ref to its answer, e.g. {"f3": "update:o1"}. \
+Nothing else.
 """
 
 REWRITE_PROMPT = """\
