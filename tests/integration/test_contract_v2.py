@@ -76,8 +76,8 @@ async def test_v2_collapses_a_restatement_joins_an_update_and_keeps_an_unrelated
     )
     end = await consolidate(pool, "b", llm, V2)
     assert end.status == "completed", end.error
-    assert llm.tasks() == ["decide", "rewrite"]
-    decided = [f["ref"] for f in llm.requests[0][0]["facts"]]
+    assert llm.tasks() == ["decide", "decide", "rewrite"]  # one fact per decide call
+    decided = [f["ref"] for user, _ in llm.requests[:2] for f in user["facts"]]
     assert decided == ["f3", "f4"]  # f1 and f2 have no candidate: nothing to ask
     assert await texts_and_sources(pool, "b") == {
         "Alice lives in Berlin. As of 2026-03-01: Alice moved from Berlin to Munich.": {
