@@ -225,3 +225,24 @@ async def test_the_offline_consolidator_with_embeddings_collapses_twins_without_
         "Alice loves green tea.": {"Alice loves green tea.", "Alice adores green tea."},
         "Alice plays the cello.": {"Alice plays the cello."},
     }
+
+
+async def test_facts_per_call_puts_several_facts_in_one_decide_call(
+    pool: asyncpg.Pool, llm: Recorder
+) -> None:
+    await ingest(
+        pool,
+        "b",
+        [
+            memory("Alice lives in Berlin.", "01-01"),
+            memory("Alice lives in Berlin.", "01-02"),
+            memory("Alice lives in Berlin.", "01-03"),
+        ],
+    )
+    end = await consolidate(pool, "b", llm, Settings(llm_contract="v2", llm_v2_facts_per_call=8))
+    assert end.status == "completed", end.error
+    assert llm.tasks() == ["decide"]
+    assert [f["ref"] for f in llm.requests[0][0]["facts"]] == ["f2", "f3"]
+    assert await texts_and_sources(pool, "b") == {
+        "Alice lives in Berlin.": {"Alice lives in Berlin."}
+    }
