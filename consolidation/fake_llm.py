@@ -2,7 +2,8 @@
 
 Used by tests, benchmarks and operators' load tests (``consolidation fake-llm``). It answers
 ``POST /chat/completions`` and ``POST /v1/chat/completions`` with ``offline.consolidate`` of the
-user message, and can inject latency, failures, poisoned answers and scripted responses. It
+user message (a contract v2 request, ``"contract": "v2"``, with ``narrow.offline_answer``), and can
+inject latency, failures, poisoned answers and scripted responses. It
 records what it saw (``GET /_stats``) so tests can assert on concurrency and timing.
 
 Poison markers in a fact's text spoil the answer of the whole request containing that fact:
@@ -70,7 +71,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from consolidation import offline, prompts
+from consolidation import narrow, offline, prompts, prompts_v2
 from consolidation.fake_embeddings import DEFAULT_DIMENSIONS, embed_text
 from consolidation.llm import estimate_tokens
 from consolidation.net import listen_socket, socket_url
@@ -391,7 +392,10 @@ def _answer_content(parsed: _Parsed, config: FakeLLMConfig) -> tuple[str, str, i
             }
         else:
             assert parsed.user is not None
-            answer = offline.consolidate(parsed.user)
+            if prompts_v2.is_v2_request(parsed.user):
+                answer = narrow.offline_answer(parsed.user)
+            else:
+                answer = offline.consolidate(parsed.user)
         content = orjson.dumps(answer).decode()
     if config.think:
         content = _THINKING + content

@@ -100,6 +100,11 @@ def _overlap(a: frozenset[str], b: frozenset[str]) -> float:
     return len(a & b) / min(len(a), len(b))
 
 
+def content_words(text: str) -> frozenset[str]:
+    """The words ``text`` is matched on: lower-cased, stop words and one-letter words left out."""
+    return _tokens(text)
+
+
 def similarity(a: str, b: str) -> float:
     """Overlap coefficient of the content words of ``a`` and ``b``: 0 (none shared) to 1."""
     return _overlap(_tokens(a), _tokens(b))

@@ -70,6 +70,30 @@ class Settings(BaseSettings):
         default="system",
         description="user: instructions open the user message (templates that drop system).",
     )
+    llm_contract: Literal["v1", "v2"] = Field(
+        default="v1",
+        description="v1: one call per pass answers creates/updates/merges (DESIGN §3); v2: the "
+        "engine narrows each fact to its nearest candidates and asks new/same/update, then one "
+        "rewrite per updated observation (docs/architecture.md).",
+    )
+    llm_v2_facts_per_call: int = Field(
+        default=1,
+        ge=1,
+        le=256,
+        description="v2: facts decided by one call (1 measured best with a 1.5B model).",
+    )
+    llm_v2_candidates: int = Field(
+        default=2, ge=1, le=16, description="v2: nearest observations (and earlier facts) per fact."
+    )
+    llm_v2_cosine_floor: float = Field(
+        default=0.4, ge=-1, le=1, description="v2 with embeddings: no candidate below this cosine."
+    )
+    llm_v2_lexical_floor: float = Field(
+        default=0.2,
+        ge=0,
+        le=1,
+        description="v2 without embeddings: no candidate below this word overlap.",
+    )
     llm_backoff_base_s: float = Field(default=0.5, ge=0)
     llm_backoff_max_s: float = Field(default=30.0, ge=0)
 

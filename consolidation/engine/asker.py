@@ -8,16 +8,18 @@ the vectors of the texts the run has embedded, so a text is embedded once.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from consolidation import store
+from consolidation import ask_v2, store
 from consolidation.embeddings import Embedder
 from consolidation.errors import InvalidLLMOutput
-from consolidation.llm import Consolidator, LLMRetriesExhausted
+from consolidation.llm import Consolidator, LLMAnswer, LLMRetriesExhausted, OfflineConsolidator
+from consolidation.narrow import NarrowOptions, narrow_options
 from consolidation.perf import PerfLog
 from consolidation.prompts import (
     Chat,
@@ -31,6 +33,18 @@ from consolidation.prompts import (
     repair_chat,
 )
 from consolidation.scopes import Scope
+from consolidation.settings import Settings
+
+
+def narrowing(
+    settings: Settings, llm: Consolidator, embedder: Embedder | None
+) -> NarrowOptions | None:
+    """How a run's passes are narrowed (contract v2), or None for v1's one call a pass: a model
+    speaks the configured ``LLM_CONTRACT``; the offline consolidator narrows whenever embeddings
+    are configured, since only then does it know more than its words."""
+    offline = isinstance(llm, OfflineConsolidator)
+    wanted = embedder is not None if offline else settings.llm_contract == "v2"
+    return narrow_options(settings) if wanted else None
 
 
 class Asker:
@@ -42,11 +56,13 @@ class Asker:
         bank_id: str,
         mission: str | None,
         embedder: Embedder | None = None,
+        narrowed: NarrowOptions | None = None,
     ) -> None:
         self.llm = llm
         self.bank_id = bank_id
         self.mission = mission
         self.embedder = embedder
+        self.narrowed = narrowed
         # Vectors of texts embedded (None: refused by the endpoint): a wave's facts are embedded
         # together when the wave starts, then each pass adds the texts it writes.
         self._vectors: dict[str, str | None] = {}
@@ -61,7 +77,23 @@ class Asker:
         return build_request(self.bank_id, scope, self.mission, list(facts), list(observations))
 
     async def ask(self, request: PassRequest, chat: Chat, perf: PerfLog) -> PassPlan:
-        """The model's parsed answer to ``chat``; raises InvalidLLMOutput if it is unusable."""
+        """The model's parsed answer to ``chat``; raises InvalidLLMOutput if it is unusable.
+        Narrowed (contract v2), the same pass is answered by per-fact questions instead."""
+        if self.narrowed is not None:
+            offline = isinstance(self.llm, OfflineConsolidator)
+            return await ask_v2.answer_pass(
+                request,
+                None if offline else functools.partial(self.complete, perf=perf),
+                None if self.embedder is None else functools.partial(self.embed, perf=perf),
+                self.narrowed,
+            )
+        answer = await self.complete(chat, perf)
+        plan = parse_answer(answer.content, request)
+        perf.llm_repaired += int(chat.repair)
+        return plan
+
+    async def complete(self, chat: Chat, perf: PerfLog) -> LLMAnswer:
+        """One chat completion, counted in ``perf``."""
         started = time.monotonic()
         perf.llm_calls += 1
         perf.llm_repairs += int(chat.repair)
@@ -81,9 +113,7 @@ class Asker:
         perf.llm_retries += answer.retries
         perf.prompt_tokens += answer.prompt_tokens
         perf.completion_tokens += answer.completion_tokens
-        plan = parse_answer(answer.content, request)
-        perf.llm_repaired += int(chat.repair)
-        return plan
+        return answer
 
     async def ask_usable(self, request: PassRequest, perf: PerfLog) -> PassPlan:
         """:meth:`ask`, and once more on an unusable answer, shown its answer and what is wrong

@@ -5,7 +5,7 @@ from __future__ import annotations
 import structlog
 
 from consolidation import budgets, store
-from consolidation.engine.asker import Asker
+from consolidation.engine.asker import Asker, narrowing
 from consolidation.engine.budget import TokenBudget
 from consolidation.engine.context import RunContext
 from consolidation.engine.group import GroupRunner
@@ -29,7 +29,13 @@ class ConsolidateRun:
         lease, settings = context.lease, context.settings
         self.summary = RunSummary.resumed(lease.resumed)
         bound = log.bind(operation_id=str(lease.operation_id), bank_id=lease.bank_id)
-        self.asker = Asker(context.llm, lease.bank_id, settings.mission, context.embedder)
+        self.asker = Asker(
+            context.llm,
+            lease.bank_id,
+            settings.mission,
+            context.embedder,
+            narrowing(settings, context.llm, context.embedder),
+        )
         self.budget = TokenBudget(setting=settings.bank_token_budget)
         checkpoint = Checkpoint(context.stop, lease.operation_id, self.budget)
         slots = SlotAllocator(settings.group_parallelism)

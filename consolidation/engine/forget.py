@@ -32,7 +32,7 @@ from typing import Any
 import structlog
 
 from consolidation import metrics, queue, store
-from consolidation.engine.asker import Asker
+from consolidation.engine.asker import Asker, narrowing
 from consolidation.engine.context import RunContext
 from consolidation.engine.outcome import first_error
 from consolidation.engine.plan import GroupPlan, Pass
@@ -132,7 +132,13 @@ class ForgetRun:
         self.settings = context.settings
         self.embedder = context.embedder
         self.summary = ForgetSummary()
-        self.asker = Asker(context.llm, self.lease.bank_id, self.settings.mission, self.embedder)
+        self.asker = Asker(
+            context.llm,
+            self.lease.bank_id,
+            self.settings.mission,
+            self.embedder,
+            narrowing(self.settings, context.llm, self.embedder),
+        )
         self.checkpoint = Checkpoint(context.stop, self.lease.operation_id)
         self.log = log.bind(operation_id=str(self.lease.operation_id), bank_id=self.lease.bank_id)
         self._perf_lock = asyncio.Lock()

@@ -1,0 +1,118 @@
+"""Answer one pass with contract v2: candidates, decide calls, rewrite calls, assembly.
+
+Takes what a v1 pass takes (its :class:`~consolidation.prompts.PassRequest`) and returns what a
+v1 answer gives (a :class:`~consolidation.prompts.PassPlan`), so everything after the answer is
+the engine's as for v1. Facts without a candidate make no call. Without ``complete`` (the
+offline consolidator) the decisions and rewrites are made locally, with no call at all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Awaitable, Callable, Sequence
+
+import orjson
+
+from consolidation import narrow
+from consolidation.errors import InvalidLLMOutput
+from consolidation.llm import LLMAnswer
+from consolidation.prompts import Chat, PassPlan, PassRequest
+from consolidation.prompts_v2 import (
+    Decision,
+    Question,
+    Shown,
+    decide_chat,
+    parse_decisions,
+    parse_rewrite,
+    rewrite_chat,
+)
+
+Complete = Callable[[Chat], Awaitable[LLMAnswer]]
+Embed = Callable[[Sequence[str]], Awaitable[Sequence[str | None]]]
+
+
+async def answer_pass(
+    request: PassRequest,
+    complete: Complete | None,
+    embed: Embed | None,
+    options: narrow.NarrowOptions,
+) -> PassPlan:
+    """The plan of one pass. Raises InvalidLLMOutput when a decide answer stays unusable after
+    one repair (the engine retries the pass, then splits it); a rewrite never fails the pass: it
+    falls back to :func:`consolidation.narrow.join`."""
+    inputs = narrow.pass_inputs(request)
+    vectors = None
+    if embed is not None:
+        texts = list(dict.fromkeys(i.text for i in (*inputs.facts, *inputs.observations)))
+        embedded = await embed(texts)
+        vectors = {
+            text: orjson.loads(vector)
+            for text, vector in zip(texts, embedded, strict=True)
+            if vector is not None
+        }
+    found = narrow.pick_candidates(inputs, vectors, options)
+    if complete is None:
+        decisions = narrow.local_decisions(found, options)
+    else:
+        size = options.facts_per_call
+        chunks = [found.questions[i : i + size] for i in range(0, len(found.questions), size)]
+        answers = await asyncio.gather(*(_decide(complete, inputs, chunk) for chunk in chunks))
+        decisions = narrow.checked_decisions(
+            found, {ref: d for answer in answers for ref, d in answer.items()}
+        )
+    groups = narrow.assemble(inputs, decisions)
+    wanted = [(i, g) for i, g in enumerate(groups) if g.updating]
+    if complete is None:
+        texts_of = [narrow.join(g.base, [f.shown() for f in g.updating]) for _, g in wanted]
+    else:
+        texts_of = await asyncio.gather(
+            *(
+                _rewrite(complete, inputs, g.base, [f.shown() for f in g.updating])
+                for _, g in wanted
+            )
+        )
+    return narrow.to_plan(
+        inputs, groups, {i: text for (i, _), text in zip(wanted, texts_of, strict=True)}
+    )
+
+
+async def _decide(
+    complete: Complete, inputs: narrow.PassInputs, questions: Sequence[Question]
+) -> dict[str, Decision]:
+    chat = decide_chat(inputs.bank, inputs.scope, inputs.mission, questions)
+    try:
+        return parse_decisions((await complete(chat)).content, questions)
+    except InvalidLLMOutput as exc:
+        # Schema-pinned servers rarely get here; a JSON-mode-only one may.
+        repaired = _with_problems(chat, exc.answer or "", exc.problems or [str(exc)])
+        return parse_decisions((await complete(repaired)).content, questions)
+
+
+async def _rewrite(
+    complete: Complete, inputs: narrow.PassInputs, old: Shown, facts: Sequence[Shown]
+) -> str:
+    """The model's rewrite if it passes the guards (at most one repair), else the join."""
+    chat = rewrite_chat(inputs.bank, inputs.scope, inputs.mission, old, facts)
+    for attempt in (1, 2):
+        try:
+            answer = await complete(chat)
+            text = parse_rewrite(answer.content)
+        except InvalidLLMOutput as exc:
+            problems, content = exc.problems or [str(exc)], exc.answer or ""
+        else:
+            problems, content = narrow.rewrite_problems(old, facts, text), answer.content
+            if not problems:
+                return text
+        if attempt == 1:
+            chat = _with_problems(chat, content, problems)
+    return narrow.join(old, facts)
+
+
+def _with_problems(chat: Chat, answer: str, problems: Sequence[str]) -> Chat:
+    note = (
+        "That answer cannot be used:\n"
+        + "".join(f"- {problem}\n" for problem in problems)
+        + "Answer again with one corrected JSON object in the same format."
+    )
+    return dataclasses.replace(chat, turns=(("assistant", answer or "{}"), ("user", note)))

@@ -1,0 +1,457 @@
+"""Narrowed consolidation (contract v2): candidates per fact, assembly and guards. Pure.
+
+The engine knows which observations and earlier facts each fact is near; it asks the model only
+``new`` / ``same:X`` / ``update:X`` among those few (:mod:`consolidation.prompts_v2`) and
+assembles the pass's :class:`~consolidation.prompts.PassPlan` itself: a new fact's observation
+is the fact's own text, a restatement is cited without touching the text, an update rewrites one
+observation at a time. So unrelated facts cannot be piled together, and whatever a rewrite says
+is checked (:func:`rewrite_problems`) before it is kept.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from uuid import UUID
+
+import orjson
+
+from consolidation import offline
+from consolidation.prompts import (
+    MAX_OBSERVATION_CHARS,
+    CreateAction,
+    MergeAction,
+    PassPlan,
+    PassRequest,
+    UpdateAction,
+)
+from consolidation.prompts_v2 import DECIDE, NEW, REWRITE, SAME, UPDATE, Decision, Question, Shown
+from consolidation.settings import Settings
+
+Vector = Sequence[float]
+
+
+@dataclass(frozen=True)
+class NarrowOptions:
+    """How candidates are picked and how many facts one decide call carries."""
+
+    candidates: int = 2  # nearest observations per fact, and as many earlier facts
+    cosine_floor: float = 0.4  # with embeddings: no candidate below it
+    lexical_floor: float = 0.2  # without: offline.similarity below it is no candidate
+    facts_per_call: int = 1  # a small model compares one fact with its candidates far better
+    # Deciding without a model (the offline consolidator): the nearest candidate at least this
+    # near is the same subject.
+    local_cosine: float = 0.7
+    local_lexical: float = offline.SIMILARITY_THRESHOLD
+    # ... and at least this near, a restatement in other words: cited, its text kept.
+    local_same_cosine: float = 0.9
+
+
+@dataclass(frozen=True)
+class Item:
+    """A fact or an observation of the pass, with the id its ref stands for."""
+
+    ref: str
+    id: UUID
+    text: str
+    at: str | None
+
+    def shown(self) -> Shown:
+        return Shown(self.ref, self.text, self.at)
+
+
+@dataclass(frozen=True)
+class PassInputs:
+    """What a v1 pass request carries: bank, scope, mission, facts and observations, in order."""
+
+    bank: str
+    scope: tuple[str, ...]
+    mission: str | None
+    facts: tuple[Item, ...]
+    observations: tuple[Item, ...]
+
+    def item(self, ref: str) -> Item:
+        items = self.facts if ref.startswith("f") else self.observations
+        return items[int(ref[1:]) - 1]
+
+
+def pass_inputs(request: PassRequest) -> PassInputs:
+    """The inputs of the pass ``request`` was built for (its §3 object and refs)."""
+    payload = orjson.loads(request.user_content)
+    facts = tuple(
+        Item(f["ref"], request.fact_refs[f["ref"]], f["text"], f.get("occurred_at"))
+        for f in payload["facts"]
+    )
+    observations = tuple(
+        Item(o["ref"], request.observation_refs[o["ref"]], o["text"], o.get("updated_at"))
+        for o in payload["observations"]
+    )
+    return PassInputs(
+        payload["bank"], tuple(payload["scope"]), payload.get("mission"), facts, observations
+    )
+
+
+def cosine(a: Vector, b: Vector) -> float:
+    dot = sum(x * y for x, y in zip(a, b, strict=False))
+    norm = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
+    return dot / norm if norm else 0.0
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """Every fact's question (facts without a candidate have none) and each candidate's
+    nearness, by (fact ref, candidate ref)."""
+
+    questions: tuple[Question, ...]
+    nearness: Mapping[tuple[str, str], float]
+    by_cosine: frozenset[str]  # the facts whose nearness is a cosine (else lexical)
+
+
+def pick_candidates(
+    inputs: PassInputs, vectors: Mapping[str, Vector] | None, options: NarrowOptions
+) -> Candidates:
+    """For each fact, its ``options.candidates`` nearest observations and as many nearest
+    earlier facts of the pass, above the floor: cosine when both texts have vectors, else
+    the lexical overlap of :func:`consolidation.offline.similarity`."""
+    questions: list[Question] = []
+    nearness: dict[tuple[str, str], float] = {}
+    by_cosine: set[str] = set()
+    for index, fact in enumerate(inputs.facts):
+        fact_vector = vectors.get(fact.text) if vectors is not None else None
+        chosen: list[Item] = []
+        for pool in (inputs.observations, inputs.facts[:index]):
+            scored: list[tuple[float, int, Item]] = []
+            for position, other in enumerate(pool):
+                other_vector = vectors.get(other.text) if vectors is not None else None
+                if fact_vector is not None and other_vector is not None:
+                    score, floor = cosine(fact_vector, other_vector), options.cosine_floor
+                    by_cosine.add(fact.ref)
+                else:
+                    score = offline.similarity(fact.text, other.text)
+                    floor = options.lexical_floor
+                if score >= floor:
+                    scored.append((score, position, other))
+            scored.sort(key=lambda entry: (-entry[0], entry[1]))
+            for score, _, other in scored[: options.candidates]:
+                nearness[fact.ref, other.ref] = score
+                chosen.append(other)
+        if chosen:
+            questions.append(Question(fact.shown(), tuple(c.shown() for c in chosen)))
+    return Candidates(tuple(questions), nearness, frozenset(by_cosine))
+
+
+def local_decisions(found: Candidates, options: NarrowOptions) -> dict[str, Decision]:
+    """The decisions of the offline consolidator: the nearest candidate that is near enough —
+    by its vector, or by the words it shares with the fact, as the v1 offline policy judges —
+    is the same subject: ``same`` when it already says everything the fact says (or is nearly
+    the same vector), else ``update``. None near enough: ``new``."""
+    decisions: dict[str, Decision] = {}
+    for question in found.questions:
+        ref = question.fact.ref
+        cosines = ref in found.by_cosine
+        near: list[tuple[float, Shown]] = []
+        for candidate in question.candidates:
+            score = found.nearness.get((ref, candidate.ref), 0.0)
+            shared = offline.similarity(question.fact.text, candidate.text)
+            if (cosines and score >= options.local_cosine) or shared >= options.local_lexical:
+                near.append((score, candidate))
+        if not near:
+            decisions[ref] = Decision(NEW)
+            continue
+        score, best = max(near, key=lambda pair: pair[0])
+        if says_all(best.text, question.fact.text) or (
+            cosines and score >= options.local_same_cosine
+        ):
+            decisions[ref] = Decision(SAME, best.ref)
+        else:
+            decisions[ref] = Decision(UPDATE, best.ref)
+    return decisions
+
+
+def checked_decisions(found: Candidates, decisions: Mapping[str, Decision]) -> dict[str, Decision]:
+    """``decisions`` as the engine applies them: a ``same`` whose candidate does not already
+    say all the fact says is an ``update``, so that a change the model took for a restatement
+    still reaches the text (the rewrite's guards keep it honest)."""
+    checked = dict(decisions)
+    for question in found.questions:
+        decision = decisions.get(question.fact.ref)
+        if decision is None or decision.kind != SAME:
+            continue
+        target = next(c for c in question.candidates if c.ref == decision.target)
+        if not says_all(target.text, question.fact.text):
+            checked[question.fact.ref] = Decision(UPDATE, decision.target)
+    return checked
+
+
+# --- assembly -----------------------------------------------------------------------------
+
+
+@dataclass
+class Group:
+    """One observation the pass writes: an existing one (``observation``) or one it creates
+    from its first fact; the facts cited on it, and those that change its text."""
+
+    observation: Item | None
+    first: Item | None = None  # the fact a created observation starts from
+    cited: list[Item] = field(default_factory=list)
+    updating: list[Item] = field(default_factory=list)
+
+    @property
+    def base(self) -> Shown:
+        """The text the group starts from, as a rewrite is shown it."""
+        origin = self.observation if self.observation is not None else self.first
+        assert origin is not None
+        return origin.shown()
+
+
+def assemble(inputs: PassInputs, decisions: Mapping[str, Decision]) -> list[Group]:
+    """The observations the decisions make, in the order they are first touched; a fact without
+    a decision is new. A fact that is ``same``/``update`` of an earlier fact joins whatever
+    observation that fact went to."""
+    groups: list[Group] = []
+    of_observation: dict[str, Group] = {}
+    of_fact: dict[str, Group] = {}
+    for fact in inputs.facts:
+        decision = decisions.get(fact.ref, Decision(NEW))
+        if decision.kind == NEW or decision.target is None:
+            group = Group(observation=None, first=fact)
+            groups.append(group)
+        elif decision.target.startswith("f"):
+            group = of_fact[decision.target]
+        elif decision.target in of_observation:
+            group = of_observation[decision.target]
+        else:
+            group = Group(observation=inputs.item(decision.target))
+            of_observation[decision.target] = group
+            groups.append(group)
+        group.cited.append(fact)
+        if decision.kind == UPDATE:
+            group.updating.append(fact)
+        of_fact[fact.ref] = group
+    return groups
+
+
+def to_plan(inputs: PassInputs, groups: Sequence[Group], texts: Mapping[int, str]) -> PassPlan:
+    """The pass plan of ``groups``, each with its new text if ``texts`` has one (by position)
+    else its base text. Observations that end with the same text are one: a merge (into the
+    first existing one), or a create folded into the existing one — also into a recalled
+    observation no fact touched."""
+    by_text: dict[str, list[tuple[Group, str]]] = {}
+    for position, group in enumerate(groups):
+        text = texts.get(position, group.base.text)
+        by_text.setdefault(_normalized(text), []).append((group, text))
+    touched = {g.observation.ref for g in groups if g.observation is not None}
+    for observation in inputs.observations:
+        same = by_text.get(_normalized(observation.text))
+        if observation.ref not in touched and same and all(g.observation is None for g, _ in same):
+            same.insert(0, (Group(observation=observation), observation.text))
+            touched.add(observation.ref)
+    creates: list[CreateAction] = []
+    updates: list[UpdateAction] = []
+    merges: list[MergeAction] = []
+    for same in by_text.values():
+        existing = [g for g, _ in same if g.observation is not None]
+        text = same[0][1]
+        memory_ids = tuple(dict.fromkeys(f.id for g, _ in same for f in g.cited))
+        if not existing:
+            creates.append(CreateAction(text, memory_ids))
+        elif len(existing) == 1:
+            assert existing[0].observation is not None
+            updates.append(UpdateAction(existing[0].observation.id, text, memory_ids))
+        else:
+            ids = tuple(g.observation.id for g in existing if g.observation is not None)
+            merges.append(MergeAction(ids, text, memory_ids))
+    return PassPlan(tuple(creates), tuple(updates), tuple(merges))
+
+
+# --- guards -------------------------------------------------------------------------------
+
+# Words a rewrite may add to say how states follow each other.
+_CONNECTIVES = frozenset(
+    [
+        "previously",
+        "now",
+        "since",
+        "until",
+        "later",
+        "then",
+        "earlier",
+        "currently",
+        "current",
+        "longer",
+        "still",
+        "used",
+        "instead",
+        "formerly",
+        "former",
+        "also",
+        "date",
+        "today",
+        "new",
+        "prior",
+        "moved",
+        "changed",
+        "change",
+        "updated",
+        "update",
+        "anymore",
+        "replaced",
+        "switched",
+        "started",
+        "stopped",
+        "became",
+        "become",
+        "january",
+        "february",
+        "march",
+        "april",
+        "may",
+        "june",
+        "july",
+        "august",
+        "september",
+        "october",
+        "november",
+        "december",
+        "jan",
+        "feb",
+        "mar",
+        "apr",
+        "jun",
+        "jul",
+        "aug",
+        "sep",
+        "sept",
+        "oct",
+        "nov",
+        "dec",
+    ]
+)
+_SUFFIXES = ("ing", "ed", "es", "s")
+_DIGITS = re.compile(r"\d+")
+# Below this share of a text's content words found in the rewrite, it was not kept.
+MIN_KEPT = 0.6
+
+
+def _stem(word: str) -> str:
+    for suffix in _SUFFIXES:
+        if word.endswith(suffix) and len(word) - len(suffix) >= 3:
+            word = word[: -len(suffix)]
+            break
+    return word[:6]
+
+
+def _stems(text: str) -> frozenset[str]:
+    return frozenset(_stem(word) for word in offline.content_words(text))
+
+
+def _normalized(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def says_all(text: str, fact: str) -> bool:
+    """Whether ``text`` already says what ``fact`` says: contains it, or all its content words."""
+    if _normalized(fact).rstrip(".!?") in _normalized(text):
+        return True
+    return _stems(fact) <= _stems(text)
+
+
+def _share_kept(source: str, text: str) -> float:
+    wanted = _stems(source)
+    return len(wanted & _stems(text)) / len(wanted) if wanted else 1.0
+
+
+def _date_words(at: str | None) -> set[str]:
+    if not at:
+        return set()
+    numbers = _DIGITS.findall(at[:10])
+    return {*numbers, *(n.lstrip("0") for n in numbers if n.lstrip("0"))}
+
+
+def rewrite_problems(old: Shown, facts: Sequence[Shown], text: str) -> list[str]:
+    """What is wrong with ``text`` as the rewrite of ``old`` by ``facts``: a fact it does not
+    mention, the observation's content dropped, words found in none of them (invented)."""
+    problems = []
+    for fact in facts:
+        if _share_kept(fact.text, text) < MIN_KEPT:
+            problems.append(f"the text does not say what fact {fact.ref} says: {fact.text!r}")
+    if _share_kept(old.text, text) < MIN_KEPT:
+        problems.append(f"the text drops what the observation said: {old.text!r}")
+    allowed = set(_stems(old.text)) | _CONNECTIVES
+    for source in (old, *facts):
+        allowed |= _stems(source.text) | _date_words(source.at)
+    invented = sorted(
+        word
+        for word in offline.content_words(text)
+        if _stem(word) not in allowed and word not in allowed
+    )
+    if invented:
+        problems.append(
+            "the text adds words found in neither the observation nor the facts: "
+            + ", ".join(invented)
+        )
+    return problems
+
+
+def _sentence(text: str) -> str:
+    text = " ".join(text.split())
+    return text if text.endswith((".", "!", "?")) else f"{text}."
+
+
+def join(old: Shown, facts: Sequence[Shown]) -> str:
+    """The deterministic rewrite: the old text, then each fact it does not already say as a
+    sentence of its own, dated, oldest first so that the newest state reads last."""
+    text = _sentence(old.text)
+    for fact in sorted(facts, key=lambda f: f.at or ""):
+        if says_all(text, fact.text):
+            continue
+        sentence = _sentence(fact.text)
+        text = f"{text} As of {fact.at[:10]}: {sentence}" if fact.at else f"{text} {sentence}"
+    while len(text) > MAX_OBSERVATION_CHARS and ". " in text:
+        text = text.split(". ", 1)[1]  # the oldest sentences go first
+    return text[:MAX_OBSERVATION_CHARS]
+
+
+# --- the offline policy over the v2 wire (served by ``consolidation fake-llm``) -------------
+
+
+def offline_answer(request: Mapping[str, Any]) -> dict[str, Any]:
+    """Answer a parsed v2 user object with the lexical offline policy; always valid."""
+    if request.get("task") == DECIDE:
+        answer: dict[str, Any] = {}
+        for fact in request.get("facts") or []:
+            text = str(fact.get("text") or "")
+            candidates = [c for c in fact.get("candidates") or [] if isinstance(c, dict)]
+            scored = sorted(
+                ((offline.similarity(text, str(c.get("text") or "")), c) for c in candidates),
+                key=lambda pair: -pair[0],
+            )
+            if not scored or scored[0][0] < offline.SIMILARITY_THRESHOLD:
+                answer[fact["ref"]] = NEW
+                continue
+            best = scored[0][1]
+            kind = SAME if says_all(str(best.get("text") or ""), text) else UPDATE
+            answer[fact["ref"]] = f"{kind}:{best['ref']}"
+        return answer
+    if request.get("task") == REWRITE:
+        observation = request.get("observation") or {}
+        old = Shown("o", str(observation.get("text") or ""), observation.get("updated_at"))
+        facts = [
+            Shown(str(f.get("ref")), str(f.get("text") or ""), f.get("occurred_at"))
+            for f in request.get("facts") or []
+        ]
+        return {"text": join(old, facts)}
+    raise ValueError(f"unknown v2 task {request.get('task')!r}")
+
+
+def narrow_options(settings: Settings) -> NarrowOptions:
+    """The options the ``CONSOLIDATION_LLM_V2_*`` settings ask for."""
+    return NarrowOptions(
+        candidates=settings.llm_v2_candidates,
+        cosine_floor=settings.llm_v2_cosine_floor,
+        lexical_floor=settings.llm_v2_lexical_floor,
+        facts_per_call=settings.llm_v2_facts_per_call,
+    )

@@ -1,0 +1,215 @@
+"""The v2 LLM wire contract (``CONSOLIDATION_LLM_CONTRACT=v2``): two small questions. Pure.
+
+A ``decide`` request asks, per fact, only ``new`` / ``same:X`` / ``update:X`` among that fact's
+own candidates (the schema pins each fact's answer to that enum); a ``rewrite`` request asks for
+the new text of one observation given the facts that update it. The engine, not the model,
+turns the answers into a :class:`consolidation.prompts.PassPlan` (:mod:`consolidation.narrow`).
+Both user objects carry ``"contract": "v2"`` so servers and fakes tell them from DESIGN §3's.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from consolidation.errors import InvalidLLMOutput
+from consolidation.prompts import MAX_OBSERVATION_CHARS, Chat
+
+CONTRACT = "v2"
+DECIDE = "decide"
+REWRITE = "rewrite"
+NEW = "new"
+SAME = "same"
+UPDATE = "update"
+
+DECIDE_PROMPT = """\
+You keep an AI agent's memory tidy. INPUT is one JSON object; its "facts" are new facts, each \
+with a few "candidates": existing observations (refs starting with o) or earlier facts (refs \
+starting with f) that may be about the same thing.
+
+For EACH fact answer one of:
+- "same:<ref>" when the fact says what that candidate says (a restatement, maybe in other words);
+- "update:<ref>" when the fact is about the very same subject and person as that candidate and \
+changes or adds to it (a new state, a changed plan or preference, a new detail of that one thing);
+- "new" when no candidate is about the same specific subject. Sharing a name, a project or a \
+place is NOT enough: two different things about one project are "new".
+
+ANSWER with one JSON object mapping each fact ref to its answer, e.g. {"f3": "update:o1"}. \
+Nothing else.
+"""
+
+REWRITE_PROMPT = """\
+You keep an AI agent's memory tidy. INPUT is one JSON object: an existing "observation" and new \
+"facts" that update it, oldest first, with the time each happened.
+
+Write the observation's new text: keep what it said that is still true, add what the facts say, \
+and when a fact changes a state say what was true before and what is true now, with the date. \
+Use only words and details from the observation and the facts; never add anything else. One or \
+two plain sentences.
+
+ANSWER with one JSON object: {"text": "<the new text>"}. Nothing else.
+"""
+
+# Answers are short: a decision is a few tokens per fact, a rewrite one or two sentences.
+DECIDE_MAX_TOKENS_BASE = 32
+DECIDE_MAX_TOKENS_PER_FACT = 16
+REWRITE_MAX_TOKENS = 512
+
+_FENCE = re.compile(r"\A```(?:json)?[ \t]*\n?(.*?)\n?[ \t]*```\Z", re.DOTALL | re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Shown:
+    """A text shown to the model under a ref: a fact or an observation."""
+
+    ref: str
+    text: str
+    at: str | None = None  # when it happened (a fact) or was last updated, ISO 8601 UTC
+
+
+@dataclass(frozen=True)
+class Question:
+    """One fact of a decide request and the candidates it may be the same as or update."""
+
+    fact: Shown
+    candidates: tuple[Shown, ...]
+
+    def choices(self) -> tuple[str, ...]:
+        """The answers the schema allows for this fact, ``new`` first."""
+        return (
+            NEW,
+            *(f"{kind}:{c.ref}" for c in self.candidates for kind in (SAME, UPDATE)),
+        )
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the model said of one fact: ``kind`` is new, same or update; ``target`` a ref."""
+
+    kind: str
+    target: str | None = None
+
+
+def _object_schema(properties: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties),
+        "additionalProperties": False,
+    }
+
+
+def _head(bank: str, scope: Sequence[str], mission: str | None, task: str) -> dict[str, Any]:
+    head: dict[str, Any] = {"contract": CONTRACT, "task": task, "bank": bank, "scope": list(scope)}
+    if mission:
+        head["mission"] = mission
+    return head
+
+
+def decide_chat(
+    bank: str, scope: Sequence[str], mission: str | None, questions: Sequence[Question]
+) -> Chat:
+    """The decide request for ``questions``: each fact's answer pinned to its own choices."""
+    payload = _head(bank, scope, mission, DECIDE)
+    payload["facts"] = [
+        {
+            "ref": q.fact.ref,
+            "text": q.fact.text,
+            "occurred_at": q.fact.at,
+            "candidates": [{"ref": c.ref, "text": c.text} for c in q.candidates],
+        }
+        for q in questions
+    ]
+    schema = _object_schema(
+        {q.fact.ref: {"type": "string", "enum": list(q.choices())} for q in questions}
+    )
+    return Chat(
+        system=DECIDE_PROMPT,
+        user=orjson.dumps(payload).decode(),
+        schema=schema,
+        max_tokens=DECIDE_MAX_TOKENS_BASE + DECIDE_MAX_TOKENS_PER_FACT * len(questions),
+    )
+
+
+def rewrite_chat(
+    bank: str,
+    scope: Sequence[str],
+    mission: str | None,
+    observation: Shown,
+    facts: Sequence[Shown],
+) -> Chat:
+    """The rewrite request of one observation updated by ``facts`` (oldest first)."""
+    payload = _head(bank, scope, mission, REWRITE)
+    payload["observation"] = {"text": observation.text, "updated_at": observation.at}
+    payload["facts"] = [{"ref": f.ref, "text": f.text, "occurred_at": f.at} for f in facts]
+    return Chat(
+        system=REWRITE_PROMPT,
+        user=orjson.dumps(payload).decode(),
+        schema=_object_schema({"text": {"type": "string"}}),
+        max_tokens=REWRITE_MAX_TOKENS,
+    )
+
+
+def _load(content: str) -> object:
+    text = content.strip()
+    fenced = _FENCE.match(text)
+    if fenced:
+        text = fenced.group(1)
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        problem = f"the answer is not valid JSON ({exc})"
+        raise InvalidLLMOutput(
+            f"invalid answer: {problem}", answer=content, problems=[problem]
+        ) from None
+
+
+def parse_decisions(content: str, questions: Sequence[Question]) -> dict[str, Decision]:
+    """The decision of every fact of ``questions``, by fact ref. Raises InvalidLLMOutput when the
+    answer is not one object, misses a fact or gives one an answer outside its choices."""
+    answer = _load(content)
+    problems: list[str] = []
+    decisions: dict[str, Decision] = {}
+    if not isinstance(answer, dict):
+        problems.append("the answer must be a JSON object mapping each fact ref to its answer")
+        answer = {}
+    for question in questions:
+        ref = question.fact.ref
+        value = answer.get(ref)
+        if not isinstance(value, str) or value not in question.choices():
+            allowed = ", ".join(question.choices())
+            problems.append(f"{ref}: {value!r} is not one of {allowed}")
+            continue
+        kind, _, target = value.partition(":")
+        decisions[ref] = Decision(kind, target or None)
+    unknown = sorted(set(answer) - {q.fact.ref for q in questions})
+    if unknown:
+        problems.append(f"unknown fact refs {unknown}")
+    if problems:
+        raise InvalidLLMOutput(
+            "invalid decide answer: " + "; ".join(problems[:10]), answer=content, problems=problems
+        )
+    return decisions
+
+
+def parse_rewrite(content: str) -> str:
+    """The text of a rewrite answer. Raises InvalidLLMOutput if there is no usable one."""
+    answer = _load(content)
+    text = answer.get("text") if isinstance(answer, dict) else None
+    if not isinstance(text, str) or not text.strip():
+        problem = 'the answer must be {"text": "<the new text>"} with a non-empty text'
+        raise InvalidLLMOutput(f"invalid answer: {problem}", answer=content, problems=[problem])
+    text = " ".join(text.split())
+    if len(text) > MAX_OBSERVATION_CHARS:
+        problem = f"the text has {len(text)} characters, more than {MAX_OBSERVATION_CHARS}"
+        raise InvalidLLMOutput(f"invalid answer: {problem}", answer=content, problems=[problem])
+    return text
+
+
+def is_v2_request(request: Mapping[str, Any]) -> bool:
+    """Whether a parsed user object is a v2 request (rather than DESIGN §3's)."""
+    return request.get("contract") == CONTRACT

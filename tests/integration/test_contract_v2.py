@@ -1,0 +1,248 @@
+"""Contract v2 end to end: a real Postgres, the fake LLM (and embeddings) over real HTTP."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+import orjson
+import pytest
+
+from consolidation import narrow
+from consolidation.embeddings import HTTPEmbedder
+from consolidation.fake_llm import FakeLLMServer
+from consolidation.llm import Consolidator, LLMAnswer, OfflineConsolidator
+from consolidation.prompts import Chat
+from consolidation.prompts_v2 import Shown
+from consolidation.settings import Settings
+from tests.support.engine import consolidate, http_llm, ingest, markers
+from tests.support.invariants import assert_consistent
+
+V2 = Settings(llm_contract="v2")
+
+
+class Recorder:
+    """The real HTTP client to the fake, keeping every request's user object and schema."""
+
+    def __init__(self, llm: Consolidator) -> None:
+        self._llm = llm
+        self.requests: list[tuple[dict[str, Any], dict[str, Any]]] = []
+
+    async def complete(self, chat: Chat) -> LLMAnswer:
+        self.requests.append((orjson.loads(chat.user), dict(chat.schema)))
+        return await self._llm.complete(chat)
+
+    async def aclose(self) -> None:
+        await self._llm.aclose()
+
+    def tasks(self) -> list[str | None]:
+        return [user.get("task") for user, _ in self.requests]
+
+
+@pytest.fixture
+async def llm(fake: FakeLLMServer) -> AsyncIterator[Recorder]:
+    client = Recorder(http_llm(fake.url))
+    yield client
+    await client.aclose()
+
+
+async def texts_and_sources(pool: asyncpg.Pool, bank: str) -> dict[str, set[str]]:
+    rows = await pool.fetch(
+        "SELECT o.text, array_agg(m.text) AS sources FROM observations o"
+        " JOIN observation_sources s ON s.observation_id = o.id"
+        " JOIN memories m ON m.id = s.memory_id WHERE o.bank_id = $1 GROUP BY o.id, o.text",
+        bank,
+    )
+    return {r["text"]: set(r["sources"]) for r in rows}
+
+
+def memory(text: str, day: str, tags: tuple[str, ...] = ("alice",)) -> dict[str, Any]:
+    return {"text": text, "tags": list(tags), "occurred_at": f"2026-{day}T09:00:00Z"}
+
+
+async def test_v2_collapses_a_restatement_joins_an_update_and_keeps_an_unrelated_fact_apart(
+    pool: asyncpg.Pool, llm: Recorder
+) -> None:
+    await ingest(
+        pool,
+        "b",
+        [
+            memory("Alice lives in Berlin.", "01-01"),
+            memory("Bob plays the cello.", "01-02"),
+            memory("Alice lives in Berlin.", "01-03"),
+            memory("Alice moved from Berlin to Munich.", "03-01"),
+        ],
+    )
+    end = await consolidate(pool, "b", llm, V2)
+    assert end.status == "completed", end.error
+    assert llm.tasks() == ["decide", "decide", "rewrite"]  # one fact per decide call
+    decided = [f["ref"] for user, _ in llm.requests[:2] for f in user["facts"]]
+    assert decided == ["f3", "f4"]  # f1 and f2 have no candidate: nothing to ask
+    assert await texts_and_sources(pool, "b") == {
+        "Alice lives in Berlin. As of 2026-03-01: Alice moved from Berlin to Munich.": {
+            "Alice lives in Berlin.",
+            "Alice moved from Berlin to Munich.",
+        },
+        "Bob plays the cello.": {"Bob plays the cello."},
+    }
+    counts = await markers(pool, "b")
+    assert counts["consolidated"] == 4
+    await assert_consistent(pool)
+
+    # The next operation sees what the first wrote: a restatement is cited, its text kept.
+    llm.requests.clear()
+    await ingest(pool, "b", [memory("Bob plays the cello.", "04-01")])
+    end = await consolidate(pool, "b", llm, V2)
+    assert end.status == "completed", end.error
+    assert llm.tasks() == ["decide"]
+    observations = await texts_and_sources(pool, "b")
+    assert len(observations) == 2
+    assert observations["Bob plays the cello."] == {"Bob plays the cello."}
+    cited = await pool.fetchval(
+        "SELECT count(*) FROM observation_sources s JOIN observations o"
+        " ON o.id = s.observation_id WHERE o.text = 'Bob plays the cello.'"
+    )
+    assert cited == 2
+
+
+async def test_facts_with_no_candidate_make_no_call_and_keep_their_own_text(
+    pool: asyncpg.Pool, fake: FakeLLMServer, llm: Recorder
+) -> None:
+    facts = ["Alice plays the cello.", "Bob fears spiders.", "Carol was born in Porto."]
+    await ingest(pool, "b", [memory(t, f"01-0{i + 1}") for i, t in enumerate(facts)])
+    end = await consolidate(pool, "b", llm, V2)
+    assert end.status == "completed", end.error
+    assert fake.stats()["requests"] == 0
+    assert await texts_and_sources(pool, "b") == {t: {t} for t in facts}
+    actions = await pool.fetch("SELECT action FROM consolidation_outcomes")
+    assert [r["action"] for r in actions] == ["created"] * 3
+    assert end.summary.perf.llm_calls == 0
+
+
+async def test_each_fact_is_pinned_to_new_or_its_own_candidates(
+    pool: asyncpg.Pool, llm: Recorder
+) -> None:
+    await ingest(pool, "b", [memory("Alice lives in Berlin.", "01-01")])
+    assert (await consolidate(pool, "b", llm, V2)).status == "completed"
+    await ingest(
+        pool,
+        "b",
+        [memory("Bob fears spiders.", "02-01"), memory("Alice lives in Berlin now.", "02-02")],
+    )
+    end = await consolidate(pool, "b", llm, V2)
+    assert end.status == "completed", end.error
+    user, schema = llm.requests[0]
+    assert user["task"] == "decide"
+    assert [f["ref"] for f in user["facts"]] == ["f2"]
+    assert schema["properties"] == {
+        "f2": {"type": "string", "enum": ["new", "same:o1", "update:o1"]}
+    }
+    assert schema["additionalProperties"] is False
+
+
+async def test_an_invented_rewrite_is_repaired_once_then_replaced_by_the_join(
+    pool: asyncpg.Pool, fake: FakeLLMServer, llm: Recorder
+) -> None:
+    await ingest(pool, "b", [memory("Alice lives in Berlin.", "01-01")])
+    assert (await consolidate(pool, "b", llm, V2)).status == "completed"
+    invented = orjson.dumps({"text": "Alice the astronaut moved to Munich from Berlin."}).decode()
+    fake.control(
+        script=[
+            {"content": '{"f1": "update:o1"}'},
+            {"content": invented},
+            {"content": invented},
+        ]
+    )
+    await ingest(pool, "b", [memory("Alice lives in Munich since March.", "03-01")])
+    end = await consolidate(pool, "b", llm, V2)
+    assert end.status == "completed", end.error
+    assert llm.tasks() == ["decide", "rewrite", "rewrite"]
+    repair = fake.stats()["calls"][2]["turns"]
+    assert "astronaut" in str(repair)
+    joined = narrow.join(
+        Shown("o1", "Alice lives in Berlin."),
+        [Shown("f1", "Alice lives in Munich since March.", "2026-03-01T09:00:00Z")],
+    )
+    assert list(await texts_and_sources(pool, "b")) == [joined]
+    await assert_consistent(pool)
+
+
+async def test_a_decision_outside_the_enum_is_an_unusable_answer_as_in_v1(
+    pool: asyncpg.Pool, fake: FakeLLMServer, llm: Recorder
+) -> None:
+    await ingest(pool, "b", [memory("Alice lives in Berlin.", "01-01")])
+    assert (await consolidate(pool, "b", llm, V2)).status == "completed"
+    fake.control(script=[{"content": '{"f1": "update:o7"}'}] * 4)
+    await ingest(pool, "b", [memory("Alice lives in Berlin still.", "02-01")])
+    end = await consolidate(pool, "b", llm, V2)
+    assert end.status == "completed", end.error
+    assert llm.tasks() == ["decide"] * 4  # a repair, then the pass's retry and its repair
+    assert (await markers(pool, "b"))["failed"] == 1
+
+
+async def test_v1_is_unchanged_when_asked_for(pool: asyncpg.Pool, llm: Recorder) -> None:
+    await ingest(pool, "b", [memory("Alice lives in Berlin.", "01-01")])
+    end = await consolidate(pool, "b", llm, Settings(llm_contract="v1"))
+    assert end.status == "completed", end.error
+    ((user, schema),) = llm.requests
+    assert "contract" not in user
+    assert set(user) == {"bank", "scope", "mission", "facts", "observations"}
+    assert set(schema["properties"]) == {"creates"}
+
+
+@pytest.fixture
+async def embedder(fake: FakeLLMServer) -> AsyncIterator[HTTPEmbedder]:
+    client = HTTPEmbedder(base_url=fake.url, model="fake-embed", max_retries=2)
+    yield client
+    await client.aclose()
+
+
+async def test_the_offline_consolidator_with_embeddings_collapses_twins_without_a_call(
+    vector_pool: asyncpg.Pool, fake: FakeLLMServer, embedder: HTTPEmbedder
+) -> None:
+    from consolidation import queue
+    from consolidation.engine import run_operation
+
+    await ingest(
+        vector_pool,
+        "b",
+        [
+            memory("Alice loves green tea.", "01-01"),
+            memory("Alice plays the cello.", "01-02"),
+            memory("Alice loves green tea.", "01-03"),
+            memory("Alice adores green tea.", "01-04"),
+        ],
+    )
+    lease = await queue.start_foreground(vector_pool, "b", "test-worker", 30)
+    end = await run_operation(
+        vector_pool, lease, OfflineConsolidator(), Settings(), embedder=embedder
+    )
+    assert end.status == "completed", end.error
+    assert fake.stats()["requests"] == 0
+    observations = await texts_and_sources(vector_pool, "b")
+    assert observations == {
+        "Alice loves green tea.": {"Alice loves green tea.", "Alice adores green tea."},
+        "Alice plays the cello.": {"Alice plays the cello."},
+    }
+
+
+async def test_facts_per_call_puts_several_facts_in_one_decide_call(
+    pool: asyncpg.Pool, llm: Recorder
+) -> None:
+    await ingest(
+        pool,
+        "b",
+        [
+            memory("Alice lives in Berlin.", "01-01"),
+            memory("Alice lives in Berlin.", "01-02"),
+            memory("Alice lives in Berlin.", "01-03"),
+        ],
+    )
+    end = await consolidate(pool, "b", llm, Settings(llm_contract="v2", llm_v2_facts_per_call=8))
+    assert end.status == "completed", end.error
+    assert llm.tasks() == ["decide"]
+    assert [f["ref"] for f in llm.requests[0][0]["facts"]] == ["f2", "f3"]
+    assert await texts_and_sources(pool, "b") == {
+        "Alice lives in Berlin.": {"Alice lives in Berlin."}
+    }

@@ -1,0 +1,246 @@
+"""Contract v2's pure parts: candidates, the pinned decide schema, assembly, guards, the join."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+
+import httpx
+import orjson
+import pytest
+
+from consolidation import narrow
+from consolidation.errors import InvalidLLMOutput
+from consolidation.fake_llm import FakeLLMConfig, FakeLLMServer
+from consolidation.prompts import FactInput, ObservationInput, build_request
+from consolidation.prompts_v2 import (
+    Decision,
+    Question,
+    Shown,
+    decide_chat,
+    parse_decisions,
+    parse_rewrite,
+    rewrite_chat,
+)
+
+OPTIONS = narrow.NarrowOptions()
+
+
+def inputs(facts: list[str], observations: list[str] = ()) -> narrow.PassInputs:  # type: ignore[assignment]
+    when = datetime(2026, 1, 1, tzinfo=UTC)
+    request = build_request(
+        "b",
+        ("alice",),
+        None,
+        [
+            FactInput(uuid.uuid4(), text, ("alice",), when.replace(month=i + 1))
+            for i, text in enumerate(facts)
+        ],
+        [ObservationInput(uuid.uuid4(), text, 1, when) for text in observations],
+    )
+    return narrow.pass_inputs(request)
+
+
+def test_the_decide_schema_pins_each_fact_to_new_or_its_own_candidates() -> None:
+    questions = [
+        Question(Shown("f2", "Anna moved to Munich."), (Shown("o1", "Anna lives in Berlin."),)),
+        Question(Shown("f3", "Bob plays cello."), (Shown("f1", "Bob plays the cello."),)),
+    ]
+    chat = decide_chat("b", ("x",), None, questions)
+    properties = chat.schema["properties"]
+    assert properties["f2"]["enum"] == ["new", "same:o1", "update:o1"]
+    assert properties["f3"]["enum"] == ["new", "same:f1", "update:f1"]
+    assert chat.schema["required"] == ["f2", "f3"]
+    assert chat.schema["additionalProperties"] is False
+    user = orjson.loads(chat.user)
+    assert (user["contract"], user["task"]) == ("v2", "decide")
+    assert [c["ref"] for c in user["facts"][0]["candidates"]] == ["o1"]
+
+
+def test_an_answer_outside_a_facts_choices_is_unusable() -> None:
+    question = Question(Shown("f2", "Anna moved."), (Shown("o1", "Anna lives in Berlin."),))
+    assert parse_decisions('{"f2": "update:o1"}', [question]) == {"f2": Decision("update", "o1")}
+    for answer in ('{"f2": "update:o2"}', '{"f2": "same:f1"}', "{}", "not json", '["new"]'):
+        with pytest.raises(InvalidLLMOutput):
+            parse_decisions(answer, [question])
+
+
+def test_a_rewrite_answer_needs_a_non_empty_text() -> None:
+    assert parse_rewrite('{"text": "  Anna lives in Munich. "}') == "Anna lives in Munich."
+    for answer in ('{"text": ""}', '{"txt": "a"}', "Anna lives in Munich."):
+        with pytest.raises(InvalidLLMOutput):
+            parse_rewrite(answer)
+
+
+def test_facts_with_nothing_near_get_no_question_and_near_ones_get_their_few_nearest() -> None:
+    given = inputs(
+        ["Bob plays the cello.", "Alice lives in Berlin.", "Alice lives in Berlin with Tom."],
+        ["Alice lives in a flat in Berlin.", "Carol sells boats."],
+    )
+    found = narrow.pick_candidates(given, None, OPTIONS)
+    asked = {q.fact.ref: [c.ref for c in q.candidates] for q in found.questions}
+    assert asked == {"f2": ["o1"], "f3": ["o1", "f2"]}
+
+
+def test_with_vectors_candidates_are_the_nearest_above_the_cosine_floor() -> None:
+    given = inputs(["one", "two"], ["near", "far", "nearer"])
+    vectors = {
+        "one": [1.0, 0.0],
+        "two": [0.0, 1.0],
+        "near": [0.8, 0.6],
+        "far": [0.0, 1.0],
+        "nearer": [0.95, 0.31],
+    }
+    found = narrow.pick_candidates(given, vectors, narrow.NarrowOptions(candidates=1))
+    asked = {q.fact.ref: [c.ref for c in q.candidates] for q in found.questions}
+    assert asked == {"f1": ["o3"], "f2": ["o2"]}
+
+
+def test_the_engine_assembles_the_plan_so_new_facts_keep_their_own_text() -> None:
+    given = inputs(
+        ["Alice lives in Berlin.", "Bob plays the cello.", "Alice lives in Berlin.", "Alice runs."],
+        ["Alice likes tea."],
+    )
+    decisions = {
+        "f3": Decision("same", "f1"),
+        "f4": Decision("update", "o1"),
+    }
+    groups = narrow.assemble(given, decisions)
+    plan = narrow.to_plan(given, groups, {2: "Alice likes tea. Alice runs."})
+    ids = {f.ref: f.id for f in given.facts}
+    assert [(c.text, c.memory_ids) for c in plan.creates] == [
+        ("Alice lives in Berlin.", (ids["f1"], ids["f3"])),
+        ("Bob plays the cello.", (ids["f2"],)),
+    ]
+    (update,) = plan.updates
+    assert (update.observation_id, update.text, update.memory_ids) == (
+        given.observations[0].id,
+        "Alice likes tea. Alice runs.",
+        (ids["f4"],),
+    )
+    assert plan.action_of(ids["f3"]) == "created"
+
+
+def test_a_restatement_of_an_observation_cites_it_without_touching_its_text() -> None:
+    given = inputs(["Alice likes tea!"], ["Alice likes tea."])
+    plan = narrow.to_plan(given, narrow.assemble(given, {"f1": Decision("same", "o1")}), {})
+    (update,) = plan.updates
+    assert update.text == "Alice likes tea."
+    assert not plan.creates
+
+
+def test_two_observations_that_end_with_the_same_text_are_one() -> None:
+    given = inputs(["Alice likes tea.", "Tea is what Alice likes."], ["Alice likes tea.", "Tea."])
+    decisions = {"f1": Decision("same", "o1"), "f2": Decision("update", "o2")}
+    plan = narrow.to_plan(given, narrow.assemble(given, decisions), {1: "alice likes  tea."})
+    (merge,) = plan.merges
+    assert merge.observation_ids == (given.observations[0].id, given.observations[1].id)
+    assert set(merge.memory_ids) == {given.facts[0].id, given.facts[1].id}
+    assert not plan.creates and not plan.updates
+    # A create with an observation's text joins it instead of duplicating it.
+    again = inputs(["Alice likes tea."], ["Alice likes tea."])
+    plan = narrow.to_plan(again, narrow.assemble(again, {}), {})
+    assert not plan.creates
+    assert [u.observation_id for u in plan.updates] == [again.observations[0].id]
+
+
+OLD = Shown("o1", "Anna lives in Berlin.", "2026-01-02T00:00:00Z")
+MOVED = [Shown("f2", "Anna moved to Munich.", "2026-03-01T00:00:00Z")]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Anna lived in Berlin; since 2026-03-01 she lives in Munich.",
+        "Anna moved to Munich on March 1, 2026; previously she lived in Berlin.",
+    ],
+)
+def test_a_rewrite_that_keeps_both_and_adds_only_dates_passes_the_guards(text: str) -> None:
+    assert narrow.rewrite_problems(OLD, MOVED, text) == []
+
+
+def test_the_guards_catch_invented_words_a_dropped_observation_and_a_missed_fact() -> None:
+    (invented,) = narrow.rewrite_problems(
+        OLD, MOVED, "Anna, a rocket scientist, moved from Berlin to Munich."
+    )
+    assert "rocket" in invented and "scientist" in invented
+    (dropped,) = narrow.rewrite_problems(OLD, MOVED, "Anna moved to Munich.")
+    assert "drops what the observation said" in dropped
+    (missed,) = narrow.rewrite_problems(OLD, MOVED, "Anna lives in Berlin.")
+    assert "f2" in missed
+
+
+def test_the_join_dates_each_new_fact_and_puts_the_newest_last() -> None:
+    later = Shown("f3", "Anna moved to Hamburg", "2026-06-01T00:00:00Z")
+    text = narrow.join(OLD, [later, *MOVED])
+    assert text == (
+        "Anna lives in Berlin. As of 2026-03-01: Anna moved to Munich. "
+        "As of 2026-06-01: Anna moved to Hamburg."
+    )
+    assert narrow.join(OLD, [Shown("f4", "anna lives in Berlin")]) == "Anna lives in Berlin."
+    assert narrow.rewrite_problems(OLD, MOVED, narrow.join(OLD, MOVED)) == []
+
+
+def test_without_a_model_the_nearest_candidate_is_the_same_or_an_update_above_the_floor() -> None:
+    given = inputs(["Alice lives in Berlin.", "Alice lives in Berlin.", "Alice lives in Munich."])
+    vectors = {
+        "Alice lives in Berlin.": [1.0, 0.0],
+        "Alice lives in Munich.": [0.8, 0.6],
+    }
+    found = narrow.pick_candidates(given, vectors, OPTIONS)
+    decisions = narrow.local_decisions(found, OPTIONS)
+    assert decisions == {"f2": Decision("same", "f1"), "f3": Decision("update", "f1")}
+    plan = narrow.to_plan(
+        given,
+        narrow.assemble(given, decisions),
+        {0: narrow.join(given.facts[0].shown(), [given.facts[2].shown()])},
+    )
+    (create,) = plan.creates
+    assert create.text.endswith("As of 2026-03-01: Alice lives in Munich.")
+    assert len(create.memory_ids) == 3
+
+
+def test_the_offline_policy_answers_both_v2_tasks_within_their_schemas() -> None:
+    question = Question(
+        Shown("f2", "Alice lives in Berlin with Tom"), (Shown("o1", "Alice lives in Berlin."),)
+    )
+    chat = decide_chat("b", ("x",), None, [question])
+    answer = narrow.offline_answer(orjson.loads(chat.user))
+    assert parse_decisions(orjson.dumps(answer).decode(), [question]) == {
+        "f2": Decision("update", "o1")
+    }
+    rewrite = rewrite_chat("b", ("x",), None, OLD, MOVED)
+    text = parse_rewrite(orjson.dumps(narrow.offline_answer(orjson.loads(rewrite.user))).decode())
+    assert text == narrow.join(OLD, MOVED)
+
+
+async def test_the_fake_llm_speaks_v2_over_http() -> None:
+    question = Question(
+        Shown("f1", "Alice lives in Berlin"), (Shown("o1", "Alice lives in Berlin."),)
+    )
+    chat = decide_chat("b", ("x",), None, [question])
+    with FakeLLMServer(FakeLLMConfig()) as fake:
+        async with httpx.AsyncClient(base_url=fake.url, timeout=10.0) as client:
+            response = await client.post(
+                "/chat/completions",
+                json={
+                    "model": "fake",
+                    "messages": chat.messages(),
+                    "response_format": {"type": "json_object"},
+                },
+            )
+    assert response.status_code == 200
+    content = response.json()["choices"][0]["message"]["content"]
+    assert orjson.loads(content) == {"f1": "same:o1"}
+
+
+def test_a_same_whose_candidate_does_not_say_it_all_is_applied_as_an_update() -> None:
+    given = inputs(
+        ["Anna lives in Munich now.", "Anna lives in Berlin!"], ["Anna lives in Berlin."]
+    )
+    found = narrow.pick_candidates(given, None, OPTIONS)
+    said = {"f1": Decision("same", "o1"), "f2": Decision("same", "o1")}
+    assert narrow.checked_decisions(found, said) == {
+        "f1": Decision("update", "o1"),
+        "f2": Decision("same", "o1"),
+    }
