@@ -336,7 +336,7 @@ def cmd_serve(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def cmd_fake_llm(args: argparse.Namespace, settings: Settings) -> int:
-    from consolidation.fake_llm import FakeLLMConfig, serve
+    from consolidation.testing.fake_llm import FakeLLMConfig, serve
 
     if not 0.0 <= args.fail_rate <= 1.0:
         raise CLIError("--fail-rate must be between 0 and 1")
@@ -447,7 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dialect",
         default="openai",
         help="the server to imitate: openai (default), llama-cpp-python, no-schema or "
-        "json-object-only (how each treats response_format: see consolidation/fake_llm.py)",
+        "json-object-only (how each treats response_format: see consolidation/testing/fake_llm.py)",
     )
     p.add_argument(
         "--ignore-max-tokens", action="store_true", help="never cut an answer at max_tokens"

@@ -31,7 +31,7 @@ from pydantic import BaseModel, TypeAdapter
 from pydantic import ValidationError as PydanticValidationError
 
 import consolidation
-from consolidation.api_models import (
+from consolidation.api.models import (
     BankDeleted,
     BankOut,
     BanksPage,

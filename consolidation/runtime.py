@@ -18,10 +18,10 @@ import asyncpg
 import structlog
 
 from consolidation import db, store
-from consolidation.embeddings import Embedder, build_embedder, require_vector_storage
 from consolidation.errors import ConfigError
-from consolidation.http import options_from
-from consolidation.llm import Consolidator, HTTPConsolidator, OfflineConsolidator
+from consolidation.llm.client import Consolidator, HTTPConsolidator, OfflineConsolidator
+from consolidation.llm.embeddings import Embedder, build_embedder, require_vector_storage
+from consolidation.llm.transport import options_from
 from consolidation.settings import Settings
 
 log = structlog.get_logger(__name__)

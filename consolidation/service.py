@@ -100,7 +100,7 @@ async def serve(settings: Settings, *, api: bool = True, worker: bool = True) ->
             )
             tasks.append(asyncio.create_task(the_worker.run(shutdown), name="worker"))
         if sock is not None:
-            from consolidation.api import create_app
+            from consolidation.api.routes import create_app
 
             contact = the_worker.contact if the_worker is not None else None
             server = _ApiServer(

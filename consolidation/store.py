@@ -15,8 +15,8 @@ import asyncpg
 
 from consolidation import queue
 from consolidation.errors import LeaseLost, NotFound, ValidationError
+from consolidation.llm.prompts import FactInput
 from consolidation.memories import NewMemory
-from consolidation.prompts import FactInput
 from consolidation.queue import Lease
 from consolidation.scopes import Scope, scope_from_db, scopes_from_db
 

@@ -20,9 +20,9 @@ import asyncpg
 import structlog
 
 from consolidation import db, metrics, queue
-from consolidation.embeddings import Embedder
 from consolidation.engine import OperationEnd, StopReason, StopSignal, run_operation
-from consolidation.llm import Consolidator
+from consolidation.llm.client import Consolidator
+from consolidation.llm.embeddings import Embedder
 from consolidation.settings import Settings
 from consolidation.sweeper import run_sweeper
 

@@ -26,7 +26,7 @@ import asyncpg
 import pytest
 
 from consolidation import db
-from consolidation.fake_llm import FakeLLMConfig, FakeLLMServer
+from consolidation.testing.fake_llm import FakeLLMConfig, FakeLLMServer
 
 pytest_plugins = ["tests.support.fixtures"]
 

@@ -31,8 +31,8 @@ import orjson
 
 from bench.perf.plan import PlanTracker
 from consolidation import db, queue, runtime, store
-from consolidation.embeddings import build_embedder, require_vector_storage
 from consolidation.engine import run_operation
+from consolidation.llm.embeddings import build_embedder, require_vector_storage
 from consolidation.logs import configure_logging
 from consolidation.metrics import EventLoopLagMonitor
 from consolidation.settings import load_settings

@@ -17,10 +17,10 @@ import statistics
 import time
 import uuid
 
-from consolidation import prompts
-from consolidation.fake_llm import FakeLLMConfig, FakeLLMServer
-from consolidation.llm import HTTPConsolidator
+from consolidation.llm import prompts
+from consolidation.llm.client import HTTPConsolidator
 from consolidation.logs import configure_logging
+from consolidation.testing.fake_llm import FakeLLMConfig, FakeLLMServer
 
 
 def _chat(index: int) -> prompts.Chat:

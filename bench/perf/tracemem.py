@@ -24,7 +24,7 @@ from bench.perf.scenarios import DEFAULT_BANK
 from bench.perf.workload import generate
 from consolidation import db, queue, store
 from consolidation.engine import RunSummary, run_operation
-from consolidation.llm import OfflineConsolidator
+from consolidation.llm.client import OfflineConsolidator
 from consolidation.memories import parse_memories
 from consolidation.settings import Settings
 

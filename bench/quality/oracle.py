@@ -34,8 +34,8 @@ from starlette.routing import Route
 
 from bench.quality.banks import DEFAULT_BANK_FILES, QualityBank, load_banks
 from bench.quality.judge import content_words, stem
-from consolidation import prompts
-from consolidation.llm import estimate_tokens
+from consolidation.llm import prompts
+from consolidation.llm.client import estimate_tokens
 from consolidation.net import listen_socket, socket_url
 
 

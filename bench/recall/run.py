@@ -34,7 +34,7 @@ import asyncpg
 from bench.infra import pgvector_server, with_database
 from bench.recall import data as recall_data
 from consolidation import db, store
-from consolidation.embeddings import HTTPEmbedder
+from consolidation.llm.embeddings import HTTPEmbedder
 
 BANK = "recall-bench"
 KS = (5, 10, 20)

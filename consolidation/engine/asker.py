@@ -15,13 +15,18 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from consolidation import ask_v2, store
-from consolidation.embeddings import Embedder
+from consolidation import store
 from consolidation.errors import InvalidLLMOutput
-from consolidation.llm import Consolidator, LLMAnswer, LLMRetriesExhausted, OfflineConsolidator
-from consolidation.narrow import NarrowOptions, narrow_options
-from consolidation.perf import PerfLog
-from consolidation.prompts import (
+from consolidation.llm import ask_v2
+from consolidation.llm.client import (
+    Consolidator,
+    LLMAnswer,
+    LLMRetriesExhausted,
+    OfflineConsolidator,
+)
+from consolidation.llm.embeddings import Embedder
+from consolidation.llm.narrow import NarrowOptions, narrow_options
+from consolidation.llm.prompts import (
     Chat,
     FactInput,
     ObservationInput,
@@ -32,6 +37,7 @@ from consolidation.prompts import (
     pass_chat,
     repair_chat,
 )
+from consolidation.perf import PerfLog
 from consolidation.scopes import Scope
 from consolidation.settings import Settings
 

@@ -14,7 +14,6 @@ import asyncpg
 import structlog
 
 from consolidation import budgets, db, metrics, queue
-from consolidation.embeddings import Embedder
 from consolidation.engine.consolidate import ConsolidateRun
 from consolidation.engine.context import Run, RunContext
 from consolidation.engine.forget import ForgetRun
@@ -22,7 +21,8 @@ from consolidation.engine.outcome import EndKind, decide_end, describe
 from consolidation.engine.stop import StopReason, StopSignal
 from consolidation.engine.summary import ProgressCallback, RunSummary
 from consolidation.errors import LeaseLost
-from consolidation.llm import Consolidator
+from consolidation.llm.client import Consolidator
+from consolidation.llm.embeddings import Embedder
 from consolidation.queue import Lease
 from consolidation.settings import Settings
 

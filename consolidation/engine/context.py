@@ -7,10 +7,10 @@ from typing import Protocol
 
 import asyncpg
 
-from consolidation.embeddings import Embedder
 from consolidation.engine.stop import StopSignal
 from consolidation.engine.summary import ProgressCallback, RunSummary
-from consolidation.llm import Consolidator
+from consolidation.llm.client import Consolidator
+from consolidation.llm.embeddings import Embedder
 from consolidation.queue import Lease
 from consolidation.settings import Settings
 

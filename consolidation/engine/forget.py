@@ -39,8 +39,8 @@ from consolidation.engine.plan import GroupPlan, Pass
 from consolidation.engine.stop import Checkpoint
 from consolidation.engine.summary import RunSummary
 from consolidation.errors import InvalidLLMOutput
+from consolidation.llm.prompts import FactInput, ObservationInput, PassPlan
 from consolidation.perf import PerfLog
-from consolidation.prompts import FactInput, ObservationInput, PassPlan
 from consolidation.scopes import Scope
 
 log = structlog.get_logger("consolidation.engine")

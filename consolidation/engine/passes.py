@@ -20,8 +20,7 @@ from consolidation.engine.recall import RecallAhead, RecallPlanner
 from consolidation.engine.slots import Claim, SlotAllocator
 from consolidation.engine.stop import Checkpoint, settled
 from consolidation.errors import InvalidLLMOutput
-from consolidation.perf import PerfLog
-from consolidation.prompts import (
+from consolidation.llm.prompts import (
     Chat,
     FactInput,
     ObservationInput,
@@ -30,6 +29,7 @@ from consolidation.prompts import (
     pass_chat,
     repair_chat,
 )
+from consolidation.perf import PerfLog
 from consolidation.queue import Lease
 
 

@@ -26,9 +26,9 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, RedirectResponse, Response
 
 from consolidation import budgets, queue, store
-from consolidation.api_errors import ApiError
-from consolidation.api_guard import SESSION_COOKIE, Credentials
-from consolidation.api_params import (
+from consolidation.api.errors import ApiError
+from consolidation.api.guard import SESSION_COOKIE, Credentials
+from consolidation.api.params import (
     check_bank_id,
     decode_bank_cursor,
     decode_cursor,

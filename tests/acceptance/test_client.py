@@ -20,7 +20,7 @@ from consolidation.client import (
     Unavailable,
     WaitTimeout,
 )
-from consolidation.fake_llm import FakeLLMServer
+from consolidation.testing.fake_llm import FakeLLMServer
 from tests.support.proxy import TcpProxy
 from tests.support.services import Serve
 from tests.support.waiting import wait_for

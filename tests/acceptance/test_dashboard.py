@@ -15,7 +15,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support.select import Select
 
-from consolidation.fake_llm import POISON_MARKER, FakeLLMConfig, FakeLLMServer
+from consolidation.testing.fake_llm import POISON_MARKER, FakeLLMConfig, FakeLLMServer
 from tests.support.api import operation, post_memories, submit, wait_status
 from tests.support.browser import (
     attribute,

@@ -22,7 +22,7 @@ import orjson
 import pytest
 
 from consolidation import db, queue
-from consolidation.fake_llm import FakeLLMServer
+from consolidation.testing.fake_llm import FakeLLMServer
 from tests.support.engine import submit_after_ingest, topics
 from tests.support.invariants import assert_consistent
 from tests.support.proxy import TcpProxy

@@ -10,7 +10,7 @@ import asyncpg
 import pytest
 
 from consolidation import queue
-from consolidation.fake_llm import FakeLLMServer
+from consolidation.testing.fake_llm import FakeLLMServer
 from tests.integration.test_cli_ingest import run_cli
 from tests.support.engine import ingest, markers, submit_after_ingest
 from tests.support.invariants import assert_consistent, tables_containing

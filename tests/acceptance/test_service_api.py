@@ -8,7 +8,7 @@ import asyncpg
 import httpx
 import pytest
 
-from consolidation.fake_llm import FakeLLMServer
+from consolidation.testing.fake_llm import FakeLLMServer
 from tests.support.api import post_memories, wait_status
 from tests.support.engine import grew, markers
 from tests.support.services import Services

@@ -24,8 +24,8 @@ import asyncpg
 import httpx
 import pytest
 
-from consolidation.fake_llm import FakeLLMConfig, FakeLLMServer
 from consolidation.memories import parse_memory
+from consolidation.testing.fake_llm import FakeLLMConfig, FakeLLMServer
 from tests.support.invariants import assert_consistent
 from tests.support.services import Services, metric_total
 from tests.support.waiting import wait_drained, wait_for

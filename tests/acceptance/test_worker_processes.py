@@ -8,7 +8,7 @@ from typing import Any
 import asyncpg
 import pytest
 
-from consolidation.fake_llm import FakeLLMServer
+from consolidation.testing.fake_llm import FakeLLMServer
 from tests.support.engine import grew, markers, submit_after_ingest, topics
 from tests.support.services import Serve
 from tests.support.waiting import wait_completed, wait_for

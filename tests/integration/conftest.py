@@ -10,7 +10,7 @@ import asyncpg
 import httpx
 import pytest
 
-from consolidation.api import create_app
+from consolidation.api.routes import create_app
 from consolidation.settings import load_settings
 
 ClientFactory = Callable[..., AbstractAsyncContextManager[httpx.AsyncClient]]

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from consolidation import db
-from consolidation.api import MAX_BODY_BYTES, create_app
+from consolidation.api.routes import MAX_BODY_BYTES, create_app
 from consolidation.settings import load_settings
 from tests.integration.conftest import ClientFactory
 from tests.support.engine import set_read_only

@@ -8,8 +8,8 @@ import asyncpg
 
 from consolidation import db, queue
 from consolidation.engine import OperationEnd, StopReason, StopSignal, run_operation
-from consolidation.fake_llm import FakeLLMServer
 from consolidation.settings import Settings
+from consolidation.testing.fake_llm import FakeLLMServer
 from tests.support.engine import APPLY_GATE, grew, http_llm, ingest, topics, unretrieved_task_errors
 from tests.support.invariants import assert_consistent
 from tests.support.proxy import TcpProxy

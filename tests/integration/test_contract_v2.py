@@ -9,13 +9,13 @@ import asyncpg
 import orjson
 import pytest
 
-from consolidation import narrow
-from consolidation.embeddings import HTTPEmbedder
-from consolidation.fake_llm import FakeLLMServer
-from consolidation.llm import Consolidator, LLMAnswer, OfflineConsolidator
-from consolidation.prompts import Chat
-from consolidation.prompts_v2 import Shown
+from consolidation.llm import narrow
+from consolidation.llm.client import Consolidator, LLMAnswer, OfflineConsolidator
+from consolidation.llm.embeddings import HTTPEmbedder
+from consolidation.llm.prompts import Chat
+from consolidation.llm.prompts_v2 import Shown
 from consolidation.settings import Settings
+from consolidation.testing.fake_llm import FakeLLMServer
 from tests.support.engine import consolidate, http_llm, ingest, markers
 from tests.support.invariants import assert_consistent
 

@@ -17,8 +17,8 @@ import structlog.testing
 
 from consolidation import queue
 from consolidation.engine import run_operation
-from consolidation.fake_llm import FakeLLMServer
 from consolidation.settings import Settings, load_settings
+from consolidation.testing.fake_llm import FakeLLMServer
 from consolidation.worker import Worker
 from tests.support.engine import grew, http_llm, ingest, set_read_only, topics
 from tests.support.invariants import assert_consistent

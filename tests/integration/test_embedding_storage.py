@@ -10,10 +10,10 @@ import asyncpg
 import pytest
 
 from consolidation import db, store
-from consolidation.embeddings import PGVECTOR_AVAILABLE, require_vector_storage, vector_literal
 from consolidation.errors import ConfigError
-from consolidation.fake_embeddings import embed_text
-from consolidation.fake_llm import FakeLLMServer
+from consolidation.llm.embeddings import PGVECTOR_AVAILABLE, require_vector_storage, vector_literal
+from consolidation.testing.fake_embeddings import embed_text
+from consolidation.testing.fake_llm import FakeLLMServer
 from tests.integration.test_replay_process import start_replay
 from tests.support.engine import ingest
 

@@ -13,9 +13,9 @@ import structlog.testing
 
 from consolidation import queue, store
 from consolidation.engine import StopSignal
-from consolidation.fake_llm import FakeLLMServer
-from consolidation.llm import OfflineConsolidator
+from consolidation.llm.client import OfflineConsolidator
 from consolidation.settings import Settings
+from consolidation.testing.fake_llm import FakeLLMServer
 from tests.support.engine import (
     APPLY_GATE,
     consolidate,

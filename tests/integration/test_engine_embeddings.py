@@ -11,12 +11,12 @@ import orjson
 import pytest
 
 from consolidation import queue, store
-from consolidation.embeddings import HTTPEmbedder
 from consolidation.engine import OperationEnd, run_operation
-from consolidation.fake_llm import FakeLLMServer
-from consolidation.llm import Consolidator, LLMAnswer
-from consolidation.prompts import Chat
+from consolidation.llm.client import Consolidator, LLMAnswer
+from consolidation.llm.embeddings import HTTPEmbedder
+from consolidation.llm.prompts import Chat
 from consolidation.settings import Settings
+from consolidation.testing.fake_llm import FakeLLMServer
 from tests.integration.test_embedding_storage import OTHER_FACTS
 from tests.support.engine import http_llm, ingest, logged_pool, markers
 from tests.support.invariants import assert_consistent

@@ -12,8 +12,8 @@ import asyncpg
 import pytest
 
 from consolidation import store
-from consolidation.fake_llm import FakeLLMServer
 from consolidation.settings import Settings
+from consolidation.testing.fake_llm import FakeLLMServer
 from tests.support.engine import (
     consolidate,
     consolidate_notes,

@@ -9,8 +9,8 @@ import asyncpg
 
 from consolidation import queue, store
 from consolidation.engine import run_operation
-from consolidation.fake_llm import FakeLLMServer
 from consolidation.settings import Settings
+from consolidation.testing.fake_llm import FakeLLMServer
 from tests.support.engine import http_llm, ingest, markers, run_next, topics
 from tests.support.invariants import assert_consistent
 

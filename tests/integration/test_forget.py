@@ -14,11 +14,11 @@ import asyncpg
 import pytest
 
 from consolidation import queue, store
-from consolidation.embeddings import HTTPEmbedder
 from consolidation.engine import StopReason, StopSignal, run_operation
 from consolidation.errors import NotCancellable, NotFound
-from consolidation.fake_llm import BADJSON_MARKER, FakeLLMServer
+from consolidation.llm.embeddings import HTTPEmbedder
 from consolidation.settings import Settings
+from consolidation.testing.fake_llm import BADJSON_MARKER, FakeLLMServer
 from tests.support.engine import (
     consolidate,
     http_llm,

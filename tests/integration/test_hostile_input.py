@@ -18,10 +18,10 @@ import orjson
 import pytest
 
 from consolidation import queue, store
-from consolidation.api import create_app
-from consolidation.fake_llm import ANSWER_MARKER, FakeLLMServer
-from consolidation.llm import OfflineConsolidator
+from consolidation.api.routes import create_app
+from consolidation.llm.client import OfflineConsolidator
 from consolidation.settings import Settings, load_settings
+from consolidation.testing.fake_llm import ANSWER_MARKER, FakeLLMServer
 from tests.support.engine import consolidate, http_llm, ingest
 from tests.support.invariants import assert_consistent
 

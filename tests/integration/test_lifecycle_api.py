@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from consolidation import backlog, db, queue, store
 from consolidation.engine import StopReason, StopSignal
 from consolidation.errors import NotFound
-from consolidation.fake_llm import FakeLLMServer
+from consolidation.testing.fake_llm import FakeLLMServer
 from tests.integration.conftest import ClientFactory
 from tests.integration.test_api import assert_error, ingest
 from tests.support.engine import http_llm, run_next

@@ -21,7 +21,10 @@ from structlog.testing import capture_logs
 
 from consolidation import queue
 from consolidation.engine import OperationEnd, run_operation
-from consolidation.fake_llm import (
+from consolidation.llm.client import Consolidator
+from consolidation.runtime import build_consolidator
+from consolidation.settings import Settings, load_settings
+from consolidation.testing.fake_llm import (
     BADJSON_MARKER,
     EMPTY_MARKER,
     POISON_MARKER,
@@ -30,9 +33,6 @@ from consolidation.fake_llm import (
     FakeLLMConfig,
     FakeLLMServer,
 )
-from consolidation.llm import Consolidator
-from consolidation.runtime import build_consolidator
-from consolidation.settings import Settings, load_settings
 from tests.support.engine import consolidate, http_llm, ingest, markers
 from tests.support.invariants import assert_consistent
 from tests.support.waiting import wait_for

@@ -12,7 +12,7 @@ import asyncpg
 import orjson
 
 from consolidation import queue
-from consolidation.fake_llm import FakeLLMServer
+from consolidation.testing.fake_llm import FakeLLMServer
 from tests.support.engine import grew, ingest, markers
 from tests.support.waiting import wait_for
 

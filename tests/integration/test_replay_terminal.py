@@ -15,7 +15,7 @@ import termios
 import asyncpg
 import orjson
 
-from consolidation.fake_llm import FakeLLMServer
+from consolidation.testing.fake_llm import FakeLLMServer
 from tests.support.engine import ingest, topics
 
 BAR = re.compile(r"^\[[#.]{30}\] (\d+)/(\d+) memories \((\d+) failed\)$")

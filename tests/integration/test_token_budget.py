@@ -12,10 +12,10 @@ import pytest
 from prometheus_client import REGISTRY
 
 from consolidation import budgets, queue
-from consolidation.api import create_app
+from consolidation.api.routes import create_app
 from consolidation.client import AsyncClient, InvalidRequest
-from consolidation.fake_llm import FakeLLMServer
 from consolidation.settings import Settings, load_settings
+from consolidation.testing.fake_llm import FakeLLMServer
 from tests.integration.conftest import ClientFactory
 from tests.support.engine import http_llm, ingest, markers, run_next, topics
 from tests.support.invariants import assert_consistent

@@ -13,10 +13,10 @@ import asyncpg
 
 from consolidation import db, queue, store
 from consolidation.engine import OperationEnd, StopReason, StopSignal, run_operation
-from consolidation.fake_llm import FakeLLMServer
-from consolidation.llm import Consolidator, HTTPConsolidator
+from consolidation.llm.client import Consolidator, HTTPConsolidator
 from consolidation.memories import parse_memories
 from consolidation.settings import Settings
+from consolidation.testing.fake_llm import FakeLLMServer
 from tests.support.waiting import wait_for
 
 

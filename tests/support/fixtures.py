@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from consolidation.fake_llm import FakeLLMServer
+from consolidation.testing.fake_llm import FakeLLMServer
 from tests.support.services import Serve, Services
 
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from pydantic import TypeAdapter
 from pydantic import ValidationError as PydanticValidationError
 
-from consolidation.api_models import TAG_PATTERN, Tag
+from consolidation.api.models import TAG_PATTERN, Tag
 from consolidation.scopes import MAX_TAG_CHARS, tag_problem
 
 # Control characters, DEL, Unicode spaces and ordinary letters, so every rule gets exercised.

@@ -13,7 +13,8 @@ import httpx
 import orjson
 import pytest
 
-from consolidation.embeddings import (
+from consolidation.errors import LLMConfigError, TransientLLMError
+from consolidation.llm.embeddings import (
     MAX_INPUTS_PER_REQUEST,
     EmbeddingsConfigError,
     EmbeddingsRetriesExhausted,
@@ -21,10 +22,9 @@ from consolidation.embeddings import (
     build_embedder,
     vector_literal,
 )
-from consolidation.errors import LLMConfigError, TransientLLMError
-from consolidation.fake_embeddings import embed_text
-from consolidation.fake_llm import FakeLLMConfig, FakeLLMServer
 from consolidation.settings import load_settings
+from consolidation.testing.fake_embeddings import embed_text
+from consolidation.testing.fake_llm import FakeLLMConfig, FakeLLMServer
 from tests.support.waiting import wait_for
 from tests.unit.test_llm import closing_clients, metric
 

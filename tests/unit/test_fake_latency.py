@@ -10,7 +10,7 @@ import orjson
 import pytest
 from starlette.responses import Response
 
-from consolidation.fake_llm import FakeLLMConfig, _with_token_time, service_delay_s
+from consolidation.testing.fake_llm import FakeLLMConfig, _with_token_time, service_delay_s
 
 
 def draws(config: FakeLLMConfig, n: int = 20_000, seed: int = 7) -> list[float]:

@@ -12,7 +12,7 @@ import httpx
 import orjson
 import pytest
 
-from consolidation.fake_llm import FakeLLMConfig, FakeLLMServer, create_app
+from consolidation.testing.fake_llm import FakeLLMConfig, FakeLLMServer, create_app
 from tests.support.waiting import wait_for
 from tests.unit.test_llm import SYSTEM, user_message
 

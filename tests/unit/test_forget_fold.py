@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 
 from consolidation.engine.forget import Derived, fold
-from consolidation.prompts import CreateAction, MergeAction, PassPlan, UpdateAction
+from consolidation.llm.prompts import CreateAction, MergeAction, PassPlan, UpdateAction
 
 M = [uuid.uuid4() for _ in range(5)]
 

@@ -20,12 +20,12 @@ from aiohttp import web
 from prometheus_client import REGISTRY
 from structlog.testing import capture_logs
 
-from consolidation import prompts
 from consolidation.errors import InvalidLLMOutput, LLMConfigError, TransientLLMError
-from consolidation.fake_llm import FakeLLMConfig, FakeLLMServer
-from consolidation.http import parse_retry_after, retry_delay
-from consolidation.llm import HTTPConsolidator, LLMRetriesExhausted, OfflineConsolidator
+from consolidation.llm import prompts
+from consolidation.llm.client import HTTPConsolidator, LLMRetriesExhausted, OfflineConsolidator
+from consolidation.llm.transport import parse_retry_after, retry_delay
 from consolidation.metrics import EventLoopLagMonitor
+from consolidation.testing.fake_llm import FakeLLMConfig, FakeLLMServer
 from tests.support.waiting import wait_for
 from tests.unit.test_prompts import citations
 

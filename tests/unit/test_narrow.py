@@ -9,11 +9,10 @@ import httpx
 import orjson
 import pytest
 
-from consolidation import narrow
 from consolidation.errors import InvalidLLMOutput
-from consolidation.fake_llm import FakeLLMConfig, FakeLLMServer
-from consolidation.prompts import FactInput, ObservationInput, build_request
-from consolidation.prompts_v2 import (
+from consolidation.llm import narrow
+from consolidation.llm.prompts import FactInput, ObservationInput, build_request
+from consolidation.llm.prompts_v2 import (
     Decision,
     Question,
     Shown,
@@ -22,6 +21,7 @@ from consolidation.prompts_v2 import (
     parse_rewrite,
     rewrite_chat,
 )
+from consolidation.testing.fake_llm import FakeLLMConfig, FakeLLMServer
 
 OPTIONS = narrow.NarrowOptions()
 

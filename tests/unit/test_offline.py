@@ -10,9 +10,9 @@ import orjson
 from hypothesis import given
 from hypothesis import strategies as st
 
-from consolidation import offline
-from consolidation.offline import SIMILARITY_THRESHOLD, consolidate, similarity
-from consolidation.prompts import (
+from consolidation.llm import offline
+from consolidation.llm.offline import SIMILARITY_THRESHOLD, consolidate, similarity
+from consolidation.llm.prompts import (
     MAX_OBSERVATION_CHARS,
     FactInput,
     ObservationInput,

@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from consolidation import prompts
 from consolidation.errors import InvalidLLMOutput
-from consolidation.prompts import (
+from consolidation.llm import prompts
+from consolidation.llm.prompts import (
     MAX_OBSERVATION_CHARS,
     SYSTEM_PROMPT,
     CreateAction,

@@ -20,11 +20,9 @@ import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from consolidation import prompts as prompts_module
 from consolidation.errors import InvalidLLMOutput, ValidationError
-from consolidation.memories import parse_memory
-from consolidation.perf import PerfLog
-from consolidation.prompts import (
+from consolidation.llm import prompts as prompts_module
+from consolidation.llm.prompts import (
     MAX_OBSERVATION_CHARS,
     FactInput,
     ObservationInput,
@@ -33,6 +31,8 @@ from consolidation.prompts import (
     is_placeholder,
     parse_answer,
 )
+from consolidation.memories import parse_memory
+from consolidation.perf import PerfLog
 from consolidation.scopes import (
     MAX_COMBINATION_TAGS,
     Scope,

@@ -15,9 +15,9 @@ from typing import Any, Protocol, Unpack
 import orjson
 import structlog
 
-from consolidation import offline, prompts
 from consolidation.errors import InvalidLLMOutput, LLMConfigError
-from consolidation.http import (
+from consolidation.llm import offline, prompts
+from consolidation.llm.transport import (
     Budget,
     Endpoint,
     Meters,
@@ -70,7 +70,7 @@ class LLMAnswer:
 
 
 class Consolidator(Protocol):
-    """Something that answers a pass: a :class:`~consolidation.prompts.Chat` in, assistant
+    """Something that answers a pass: a :class:`~consolidation.llm.prompts.Chat` in, assistant
     content out."""
 
     async def complete(self, chat: prompts.Chat) -> LLMAnswer:
@@ -117,7 +117,7 @@ class HTTPConsolidator:
 
     Finds the ``response_format`` form the server accepts (``auto``) and caps ``max_tokens``;
     ``options`` (timeout, retries, retry budget, requests in flight, backoff) are the
-    transport's, :class:`consolidation.http.Endpoint`, shared with the embeddings client.
+    transport's, :class:`consolidation.llm.transport.Endpoint`, shared with the embeddings client.
     """
 
     def __init__(
@@ -370,7 +370,7 @@ class OfflineConsolidator:
     """Answers with the offline policy in-process (no HTTP); usage is estimated from lengths."""
 
     async def complete(self, chat: prompts.Chat) -> LLMAnswer:
-        """Run :func:`consolidation.offline.consolidate` on the §3 object of ``chat``."""
+        """Run :func:`consolidation.llm.offline.consolidate` on the §3 object of ``chat``."""
         request = prompts.find_request_object(chat.user)
         if request is None:
             raise ValueError("the user message must end with the JSON object of DESIGN §3")

@@ -20,7 +20,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from consolidation.api_errors import error_response
+from consolidation.api.errors import error_response
 
 __all__ = ["MAX_BODY_BYTES", "SESSION_COOKIE", "Credentials", "Guard"]
 

@@ -11,7 +11,7 @@ from datetime import UTC, datetime, timedelta
 import asyncpg
 
 from consolidation import store
-from consolidation.api_errors import ApiError
+from consolidation.api.errors import ApiError
 from consolidation.memories import MAX_BANK_ID_CHARS, bank_id_problems
 from consolidation.scopes import MAX_TAGS, Scope, normalize_scope, tag_problem
 

@@ -39,7 +39,7 @@ in order), ``instructed`` (whether the first user message has instructions befor
 and ``turns`` (the contents of the messages after it: a repair's answer and note).
 
 ``POST /embeddings`` and ``POST /v1/embeddings`` answer deterministic vectors in which
-paraphrases are close (:mod:`consolidation.fake_embeddings`), with their own latency, failure
+paraphrases are close (:mod:`consolidation.testing.fake_embeddings`), with their own latency, failure
 injection and script (``control(embeddings={...})``) and their own stats (``embeddings``).
 """
 
@@ -71,10 +71,10 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from consolidation import narrow, offline, prompts, prompts_v2
-from consolidation.fake_embeddings import DEFAULT_DIMENSIONS, embed_text
-from consolidation.llm import estimate_tokens
+from consolidation.llm import narrow, offline, prompts, prompts_v2
+from consolidation.llm.client import estimate_tokens
 from consolidation.net import listen_socket, socket_url
+from consolidation.testing.fake_embeddings import DEFAULT_DIMENSIONS, embed_text
 
 __all__ = ["FakeEmbeddingsConfig", "FakeLLMConfig", "FakeLLMServer", "create_app", "serve"]
 
@@ -976,7 +976,7 @@ _EMBEDDINGS_FIELDS = frozenset(f.name for f in dataclasses.fields(FakeEmbeddings
 
 class _FakeEmbeddings:
     """The fake's OpenAI-compatible embeddings endpoint: vectors from
-    :func:`consolidation.fake_embeddings.embed_text` (paraphrases close, unrelated texts far),
+    :func:`consolidation.testing.fake_embeddings.embed_text` (paraphrases close, unrelated texts far),
     the request's ``dimensions`` honoured. Stats under ``stats()["embeddings"]``: ``requests``,
     ``inputs`` (texts answered), ``completed``, ``failed``, ``aborted``, ``statuses`` and
     ``calls`` (``inputs``, ``model``, ``dimensions``, ``status``, ``started``, ``ended``)."""

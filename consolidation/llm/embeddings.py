@@ -9,7 +9,7 @@ against OpenAI, vLLM, Ollama, Hugging Face TEI and llama.cpp's server: the reque
 Faults follow the LLM's rules (DESIGN §2): transport trouble (timeouts, 408/425/429/5xx,
 connection errors, an answer that is not an embeddings list) is retried with backoff honouring
 ``Retry-After`` — within the LLM's retries and retry budget, over the same transport
-(:mod:`consolidation.http`) — and then fails the *operation* (:class:`EmbeddingsRetriesExhausted`,
+(:mod:`consolidation.llm.transport`) — and then fails the *operation* (:class:`EmbeddingsRetriesExhausted`,
 a TransientLLMError); 401/403/404/405, a redirect, a request the server refuses even for a probe
 text, or vectors of the wrong dimension fail it at once (:class:`EmbeddingsConfigError`, an
 LLMConfigError). Neither ever marks a memory failed. A text the server refuses on its own (too
@@ -30,7 +30,7 @@ import structlog
 from consolidation import sql
 from consolidation.db import MIGRATION_LOCK_KEY
 from consolidation.errors import ConfigError, LLMConfigError
-from consolidation.http import (
+from consolidation.llm.transport import (
     Budget,
     Endpoint,
     Meters,

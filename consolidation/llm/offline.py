@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from consolidation.prompts import MAX_OBSERVATION_CHARS
+from consolidation.llm.prompts import MAX_OBSERVATION_CHARS
 
 # High enough that sharing only a subject ("Alice ...") does not match a three-word fact,
 # low enough that a restated habit with a changed detail does.

@@ -3,7 +3,7 @@
 A ``decide`` request asks, per fact, only ``new`` / ``same:X`` / ``update:X`` among that fact's
 own candidates (the schema pins each fact's answer to that enum); a ``rewrite`` request asks for
 the new text of one observation given the facts that update it. The engine, not the model,
-turns the answers into a :class:`consolidation.prompts.PassPlan` (:mod:`consolidation.narrow`).
+turns the answers into a :class:`consolidation.llm.prompts.PassPlan` (:mod:`consolidation.llm.narrow`).
 Both user objects carry ``"contract": "v2"`` so servers and fakes tell them from DESIGN §3's.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 from consolidation.errors import InvalidLLMOutput
-from consolidation.prompts import MAX_OBSERVATION_CHARS, Chat
+from consolidation.llm.prompts import MAX_OBSERVATION_CHARS, Chat
 
 CONTRACT = "v2"
 DECIDE = "decide"

@@ -16,7 +16,7 @@ from fastapi.routing import APIRoute
 from starlette.requests import Request
 from starlette.responses import Response
 
-from consolidation.api_errors import ApiError
+from consolidation.api.errors import ApiError
 
 __all__ = ["OrjsonRoute", "is_json"]
 

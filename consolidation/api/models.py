@@ -20,7 +20,7 @@ from pydantic import (
     WithJsonSchema,
 )
 
-from consolidation.api_errors import phrase
+from consolidation.api.errors import phrase
 from consolidation.memories import MAX_BANK_ID_CHARS, MAX_TEXT_CHARS
 from consolidation.scopes import MAX_TAG_CHARS, MAX_TAGS, tag_problem
 from consolidation.store import BankCounts

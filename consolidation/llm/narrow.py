@@ -1,8 +1,8 @@
 """Narrowed consolidation (contract v2): candidates per fact, assembly and guards. Pure.
 
 The engine knows which observations and earlier facts each fact is near; it asks the model only
-``new`` / ``same:X`` / ``update:X`` among those few (:mod:`consolidation.prompts_v2`) and
-assembles the pass's :class:`~consolidation.prompts.PassPlan` itself: a new fact's observation
+``new`` / ``same:X`` / ``update:X`` among those few (:mod:`consolidation.llm.prompts_v2`) and
+assembles the pass's :class:`~consolidation.llm.prompts.PassPlan` itself: a new fact's observation
 is the fact's own text, a restatement is cited without touching the text, an update rewrites one
 observation at a time. So unrelated facts cannot be piled together, and whatever a rewrite says
 is checked (:func:`rewrite_problems`) before it is kept.
@@ -19,8 +19,8 @@ from uuid import UUID
 
 import orjson
 
-from consolidation import offline
-from consolidation.prompts import (
+from consolidation.llm import offline
+from consolidation.llm.prompts import (
     MAX_OBSERVATION_CHARS,
     CreateAction,
     MergeAction,
@@ -28,7 +28,16 @@ from consolidation.prompts import (
     PassRequest,
     UpdateAction,
 )
-from consolidation.prompts_v2 import DECIDE, NEW, REWRITE, SAME, UPDATE, Decision, Question, Shown
+from consolidation.llm.prompts_v2 import (
+    DECIDE,
+    NEW,
+    REWRITE,
+    SAME,
+    UPDATE,
+    Decision,
+    Question,
+    Shown,
+)
 from consolidation.settings import Settings
 
 Vector = Sequence[float]
@@ -115,7 +124,7 @@ def pick_candidates(
 ) -> Candidates:
     """For each fact, its ``options.candidates`` nearest observations and as many nearest
     earlier facts of the pass, above the floor: cosine when both texts have vectors, else
-    the lexical overlap of :func:`consolidation.offline.similarity`."""
+    the lexical overlap of :func:`consolidation.llm.offline.similarity`."""
     questions: list[Question] = []
     nearness: dict[tuple[str, str], float] = {}
     by_cosine: set[str] = set()

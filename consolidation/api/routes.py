@@ -25,16 +25,16 @@ from starlette.responses import Response
 import consolidation
 import consolidation.metrics  # registers the project's metrics, so /metrics lists them
 from consolidation import budgets, db, queue, store
-from consolidation.api_docs import add_docs_routes
-from consolidation.api_errors import (
+from consolidation.api.bodies import OrjsonRoute
+from consolidation.api.docs import add_docs_routes
+from consolidation.api.errors import (
     ApiError,
     add_exception_handlers,
     database_unavailable,
     error_response,
 )
-from consolidation.api_guard import MAX_BODY_BYTES, Credentials, Guard
-from consolidation.api_json import OrjsonRoute
-from consolidation.api_models import (
+from consolidation.api.guard import MAX_BODY_BYTES, Credentials, Guard
+from consolidation.api.models import (
     BANK_CURSOR_PATTERN,
     BANK_ID_PATTERN,
     CURSOR_PATTERN,
@@ -66,7 +66,7 @@ from consolidation.api_models import (
     cursor_query,
     error_responses,
 )
-from consolidation.api_params import (
+from consolidation.api.params import (
     check_bank_id,
     decode_bank_cursor,
     decode_cursor,

@@ -1,7 +1,7 @@
 """Answer one pass with contract v2: candidates, decide calls, rewrite calls, assembly.
 
-Takes what a v1 pass takes (its :class:`~consolidation.prompts.PassRequest`) and returns what a
-v1 answer gives (a :class:`~consolidation.prompts.PassPlan`), so everything after the answer is
+Takes what a v1 pass takes (its :class:`~consolidation.llm.prompts.PassRequest`) and returns what a
+v1 answer gives (a :class:`~consolidation.llm.prompts.PassPlan`), so everything after the answer is
 the engine's as for v1. Facts without a candidate make no call. Without ``complete`` (the
 offline consolidator) the decisions and rewrites are made locally, with no call at all.
 """
@@ -14,11 +14,11 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import orjson
 
-from consolidation import narrow
 from consolidation.errors import InvalidLLMOutput
-from consolidation.llm import LLMAnswer
-from consolidation.prompts import Chat, PassPlan, PassRequest
-from consolidation.prompts_v2 import (
+from consolidation.llm import narrow
+from consolidation.llm.client import LLMAnswer
+from consolidation.llm.prompts import Chat, PassPlan, PassRequest
+from consolidation.llm.prompts_v2 import (
     Decision,
     Question,
     Shown,
@@ -40,7 +40,7 @@ async def answer_pass(
 ) -> PassPlan:
     """The plan of one pass. Raises InvalidLLMOutput when a decide answer stays unusable after
     one repair (the engine retries the pass, then splits it); a rewrite never fails the pass: it
-    falls back to :func:`consolidation.narrow.join`."""
+    falls back to :func:`consolidation.llm.narrow.join`."""
     inputs = narrow.pass_inputs(request)
     vectors = None
     if embed is not None:

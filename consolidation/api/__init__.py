@@ -1,0 +1,1 @@
+"""The HTTP API: routes, request and response models, params, errors, guard, bodies."""

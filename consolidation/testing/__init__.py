@@ -1,0 +1,1 @@
+"""Tooling shipped for users' tests: the fake LLM and embeddings servers."""
