@@ -7,9 +7,11 @@ import contextlib
 import functools
 import importlib.util
 import os
+import shutil
 import socket
 import stat
 import subprocess
+import tempfile
 import time
 import uuid
 import warnings
@@ -109,6 +111,63 @@ def _embedded_binaries() -> Path:
     from pgserver._commands import POSTGRES_BIN_PATH
 
     return Path(POSTGRES_BIN_PATH)
+
+
+def _closed_parent(path: Path) -> Path | None:
+    """The first directory above ``path`` that others may not enter, or None."""
+    for parent in path.absolute().parents:
+        try:
+            mode = parent.stat().st_mode
+        except OSError:
+            continue
+        if mode & _GROUP_OTHER_RX != _GROUP_OTHER_RX:
+            return parent
+    return None
+
+
+def relocate_embedded_binaries(data_dir: Path) -> Path:
+    """As root, the embedded Postgres' programs where its OS user can run them without any
+    directory outside ``data_dir`` being opened: pgserver's own when nothing above them is
+    closed, else a copy under ``data_dir`` (made once per pgserver version, atomically), which
+    pgserver is then pointed at. Returns the ``bin`` directory used.
+
+    A virtualenv under ``/root`` (0700) is the usual case: pgserver would add ``go+rx`` to
+    ``/root`` to let its ``pgserver`` user reach the programs."""
+    from importlib.metadata import version
+
+    from pgserver import _commands, postgres_server
+
+    installed = Path(_commands.POSTGRES_BIN_PATH)
+    if _closed_parent(installed) is None:
+        return installed
+    # The programs find their shared libraries at $ORIGIN/../../../pgserver.libs (the wheel's
+    # RPATH), so the copy keeps site-packages' layout: <copy>/pgserver/pginstall beside
+    # <copy>/pgserver.libs.
+    package = installed.parent.parent
+    target = data_dir / f"pgserver-{version('pgserver')}"
+    binaries = target / "pgserver" / "pginstall" / "bin"
+    if not (binaries / "postgres").exists():
+        staging = Path(tempfile.mkdtemp(prefix=".pgserver-", dir=data_dir))
+        copy = staging / "copy"
+        shutil.copytree(installed.parent, copy / "pgserver" / "pginstall", symlinks=True)
+        libs = package.parent / "pgserver.libs"
+        if libs.is_dir():
+            shutil.copytree(libs, copy / "pgserver.libs", symlinks=True)
+        for path in [copy, *copy.rglob("*")]:
+            if not path.is_symlink():
+                runs = path.is_dir() or path.parent.name == "bin" or ".so" in path.name
+                path.chmod(path.stat().st_mode | (_GROUP_OTHER_RX if runs else _GROUP_OTHER_R))
+        try:
+            copy.rename(target)
+        except OSError:
+            if not (binaries / "postgres").exists():  # else another process won the rename
+                raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    _commands.POSTGRES_BIN_PATH = binaries
+    postgres_server.POSTGRES_BIN_PATH = binaries  # type: ignore[attr-defined]
+    log.info("embedded_postgres_binaries", copied_to=str(target), installed=str(package))
+    return binaries
 
 
 def embedded_root_side_effects(
@@ -217,7 +276,13 @@ def embedded_database_url(data_dir: Path) -> str:
         effects = embedded_root_side_effects(pgdata)
     check_embedded_data_version(pgdata)  # data it cannot open at all is the first thing to say
     if effects is not None:
-        outside = _outside_data_dir(effects, data_dir, _embedded_binaries())
+        if _closed_parent(data_dir) is None:
+            binaries = relocate_embedded_binaries(data_dir)
+            effects = embedded_root_side_effects(pgdata, binaries=binaries)
+        else:
+            binaries = _embedded_binaries()
+        assert effects is not None
+        outside = _outside_data_dir(effects, data_dir, binaries)
         if outside:
             raise ConfigError(
                 "running as root, the embedded Postgres (run as the OS user "

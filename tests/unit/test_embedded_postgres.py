@@ -4,6 +4,7 @@ before it happens, and the default data directory keeps it away from the home di
 from __future__ import annotations
 
 import pwd
+import shutil
 from pathlib import Path
 
 import pytest
@@ -80,3 +81,52 @@ def test_a_data_directory_of_another_postgres_major_is_refused_before_starting(
     (pgdata / "PG_VERSION").write_text(f"{embedded}\n")
     check_embedded_data_version(pgdata)
     check_embedded_data_version(tmp_path / "new")
+
+
+def test_programs_behind_a_closed_directory_are_copied_under_the_data_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A virtualenv under /root (0700): the programs are run from a copy under the data
+    directory, with their shared libraries, and the closed directory keeps its mode."""
+    import subprocess
+
+    from pgserver import _commands, postgres_server
+
+    from consolidation.db import relocate_embedded_binaries
+
+    installed = Path(_commands.POSTGRES_BIN_PATH).parent.parent  # site-packages/pgserver
+    closed = tmp_path / "home"
+    site = closed / "venv" / "site-packages"
+    site.mkdir(parents=True)
+    shutil.copytree(installed / "pginstall", site / "pgserver" / "pginstall", symlinks=True)
+    if (installed.parent / "pgserver.libs").is_dir():
+        shutil.copytree(installed.parent / "pgserver.libs", site / "pgserver.libs", symlinks=True)
+    closed.chmod(0o700)
+    monkeypatch.setattr(_commands, "POSTGRES_BIN_PATH", site / "pgserver" / "pginstall" / "bin")
+    monkeypatch.setattr(postgres_server, "POSTGRES_BIN_PATH", _commands.POSTGRES_BIN_PATH)
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+
+    binaries = relocate_embedded_binaries(data_dir)
+
+    assert binaries.is_relative_to(data_dir)
+    assert _commands.POSTGRES_BIN_PATH == binaries == postgres_server.POSTGRES_BIN_PATH
+    version = subprocess.run(
+        [str(binaries / "postgres"), "-V"], capture_output=True, text=True, check=True
+    )
+    assert "PostgreSQL" in version.stdout
+    assert closed.stat().st_mode & 0o777 == 0o700
+    # Made once: a second start uses the copy as it is.
+    assert relocate_embedded_binaries(data_dir) == binaries
+
+
+def test_programs_others_can_reach_are_run_where_they_are(tmp_path: Path) -> None:
+    from pgserver import _commands
+
+    from consolidation.db import relocate_embedded_binaries
+
+    installed = Path(_commands.POSTGRES_BIN_PATH)
+    if any(p.stat().st_mode & 0o055 != 0o055 for p in installed.parents):
+        pytest.skip("this test environment's pgserver itself sits behind a closed directory")
+    assert relocate_embedded_binaries(tmp_path) == installed
+    assert not any(tmp_path.iterdir())
