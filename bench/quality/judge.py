@@ -116,7 +116,8 @@ def judge_quality(
         **base,
         "perfect_observations": qbank.perfect_observations,
         "hard_negative_pairs": len(qbank.hard_negatives),
-        "hard_negatives_merged": len(merged_negatives),
+        # Pairs, not observations: a pile copied into several observations merges a pair once.
+        "hard_negatives_merged": len({tuple(sorted(m["labels"])) for m in merged_negatives}),
         "hard_negatives_merged_detail": merged_negatives,
         "unsupported_observations": len(unsupported),
         "unsupported": unsupported,

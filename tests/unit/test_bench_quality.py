@@ -99,6 +99,17 @@ def test_the_judge_counts_merged_hard_negatives_skips_and_invented_words() -> No
     ]
 
 
+def test_a_hard_negative_pair_held_by_several_observations_counts_once() -> None:
+    qbank = BY_NAME["ops-team"]
+    keys = {m.key: m for m in qbank.bank.memories}
+    both = ("anna-dba-1", "anna-finance-1")
+    text = keys["anna-dba-1"].text + " " + keys["anna-finance-1"].text
+    piles = [StoredObservation(("people",), text, both), StoredObservation(("ops",), text, both)]
+    j = judge_quality(qbank, piles, [])
+    assert j["hard_negatives_merged"] == 1
+    assert j["hard_negatives_merged"] <= j["hard_negative_pairs"]
+
+
 def test_the_oracle_updates_the_observation_a_fact_restates_and_keeps_hard_negatives_apart() -> (
     None
 ):
