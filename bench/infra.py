@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -271,27 +271,37 @@ async def pgvector_server(admin_url: str, log: Any = print) -> AsyncIterator[str
             server.cleanup()
 
 
-async def start_worker(settings: dict[str, str], log_path: Path) -> asyncio.subprocess.Process:
-    """``consolidation serve --no-api`` with ``settings`` (full CONSOLIDATION_* names) added to
-    the environment, JSON log in ``log_path``; returns once it logged ``worker_started``."""
-    env = {**os.environ, "CONSOLIDATION_LOG_FORMAT": "json", **settings}
+async def start_serve(
+    args: Sequence[str],
+    env: dict[str, str],
+    log_path: Path,
+    ready: Callable[[bytes], bool],
+    *,
+    deadline_s: float = 60,
+) -> asyncio.subprocess.Process:
+    """``consolidation serve ARGS`` in ``env``, its log in ``log_path``; returns once
+    ``ready(log so far)`` holds, and kills it if it exits or the deadline passes first."""
     with log_path.open("wb") as out:
         process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "consolidation.cli",
-            "serve",
-            "--no-api",
+            *(sys.executable, "-m", "consolidation.cli", "serve", *args),
             env=env,
             stdout=out,
             stderr=asyncio.subprocess.STDOUT,
+            stdin=asyncio.subprocess.DEVNULL,
         )
-    deadline = time.monotonic() + 60
-    while b"worker_started" not in await asyncio.to_thread(log_path.read_bytes):
+    deadline = time.monotonic() + deadline_s
+    while not ready(await asyncio.to_thread(log_path.read_bytes)):
         if process.returncode is not None or time.monotonic() > deadline:
             if process.returncode is None:
                 process.kill()
                 await process.wait()
-            raise RuntimeError(f"worker did not start; see {log_path}")
+            raise RuntimeError(f"consolidation serve did not start; see {log_path}")
         await asyncio.sleep(0.05)
     return process
+
+
+async def start_worker(settings: dict[str, str], log_path: Path) -> asyncio.subprocess.Process:
+    """``consolidation serve --no-api`` with ``settings`` (full CONSOLIDATION_* names) added to
+    the environment, JSON log in ``log_path``; returns once it logged ``worker_started``."""
+    env = {**os.environ, "CONSOLIDATION_LOG_FORMAT": "json", **settings}
+    return await start_serve(["--no-api"], env, log_path, lambda log: b"worker_started" in log)

@@ -193,6 +193,18 @@ LIMIT $4
 """
 
 
+def observation_row(r: asyncpg.Record) -> ObservationRow:
+    """An observation as read with its sources (``LIST_OBSERVATIONS``' columns)."""
+    return ObservationRow(
+        id=r["id"],
+        scope=scope_from_db(r["scope"]),
+        text=r["text"],
+        source_memory_ids=list(r["source_memory_ids"]),
+        updated_at=r["updated_at"],
+        version=r["version"],
+    )
+
+
 async def list_observations(
     conn: asyncpg.Connection | asyncpg.Pool,
     bank_id: str,
@@ -203,17 +215,7 @@ async def list_observations(
 ) -> list[ObservationRow]:
     """Observations of a bank (optionally one scope), keyset-paginated by id."""
     rows = await conn.fetch(LIST_OBSERVATIONS, bank_id, scope, after, limit)
-    return [
-        ObservationRow(
-            id=r["id"],
-            scope=scope_from_db(r["scope"]),
-            text=r["text"],
-            source_memory_ids=list(r["source_memory_ids"]),
-            updated_at=r["updated_at"],
-            version=r["version"],
-        )
-        for r in rows
-    ]
+    return [observation_row(r) for r in rows]
 
 
 async def recover_failed(conn: asyncpg.Connection | asyncpg.Pool, bank_id: str) -> int:

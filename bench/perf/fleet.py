@@ -47,7 +47,7 @@ import asyncpg
 import httpx
 import orjson
 
-from bench.infra import FakeLLM, with_database
+from bench.infra import FakeLLM, start_serve, with_database
 from bench.perf.child import proc_cpu_s
 from bench.perf.workload import BankShape, generate
 from consolidation import db
@@ -296,32 +296,17 @@ async def start_replica(settings: dict[str, str], log_path: Path) -> Replica:
     listens and has its worker started."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONSOLIDATION_")}
     env.update({"CONSOLIDATION_LOG_FORMAT": "json", **settings})
-    with log_path.open("wb") as out:
-        process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "consolidation.cli",
-            "serve",
-            env=env,
-            stdout=out,
-            stderr=asyncio.subprocess.STDOUT,
-            stdin=asyncio.subprocess.DEVNULL,
-        )
-    deadline = time.monotonic() + 90
-    url = ""
-    while True:
-        text = await asyncio.to_thread(log_path.read_bytes)
-        for line in text.splitlines():
-            if b'"api_listening"' in line:
-                url = orjson.loads(line)["url"]
-        if url and b"worker_started" in text:
-            break
-        if process.returncode is not None or time.monotonic() > deadline:
-            if process.returncode is None:
-                process.kill()
-                await process.wait()
-            raise RuntimeError(f"replica did not start; see {log_path}")
-        await asyncio.sleep(0.1)
+    process = await start_serve(
+        [],
+        env,
+        log_path,
+        lambda log: b'"api_listening"' in log and b"worker_started" in log,
+        deadline_s=90,
+    )
+    text = await asyncio.to_thread(log_path.read_bytes)
+    url = next(
+        orjson.loads(line)["url"] for line in text.splitlines() if b'"api_listening"' in line
+    )
     if urlsplit(url).hostname != "127.0.0.1":
         raise RuntimeError(f"replica listens on {url}, not on loopback")
     return Replica(process, url, log_path)

@@ -4,7 +4,7 @@
 py-spy leaves out a thread that sleeps (waiting on Postgres or the LLM), but not one that is
 runnable and waiting for a CPU: on two vCPUs a socket write that wakes a Postgres backend often
 hands it the engine's CPU, and py-spy charges that wait to the write. In one zero-latency run
-(session 13) py-spy put 31 % of the engine's samples in asyncpg's ``_do_execute`` and 7 % in
+py-spy put 31 % of the engine's samples in asyncpg's ``_do_execute`` and 7 % in
 aiohttp's ``_writelines``; perf, which samples only what is on a CPU, put every socket write
 of the engine at 5.6 %. Read py-spy's shares for where the Python code spends, perf's for
 what the CPU does (:func:`perf_split`).

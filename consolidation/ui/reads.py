@@ -10,9 +10,9 @@ from datetime import datetime, timedelta
 
 import asyncpg
 
-from consolidation import queue
+from consolidation import queue, store
 from consolidation.queue import Operation
-from consolidation.scopes import Scope, scope_from_db
+from consolidation.scopes import Scope
 from consolidation.store import ObservationRow
 
 MAX_QUERY_CHARS = 200
@@ -221,14 +221,4 @@ async def search_observations(
 ) -> list[ObservationRow]:
     """Observations of a bank (optionally one scope) that match ``text``, by id."""
     rows = await pool.fetch(SEARCH_OBSERVATIONS, bank_id, scope, after, text, limit)
-    return [
-        ObservationRow(
-            id=r["id"],
-            scope=scope_from_db(r["scope"]),
-            text=r["text"],
-            source_memory_ids=list(r["source_memory_ids"]),
-            updated_at=r["updated_at"],
-            version=r["version"],
-        )
-        for r in rows
-    ]
+    return [store.observation_row(r) for r in rows]

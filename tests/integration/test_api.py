@@ -319,7 +319,7 @@ async def test_get_operation_reports_every_contract_key(client: httpx.AsyncClien
         "progress",
         "result",
         "error",
-        "last_error",  # the latest attempt's error, kept while the next one waits (#30)
+        "last_error",  # the latest attempt's error, kept while the next one waits
         "last_error_at",
         "run_after",
         "created_at",

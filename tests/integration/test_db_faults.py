@@ -361,7 +361,7 @@ async def test_one_heartbeat_failing_on_a_broken_connection_does_not_lose_the_le
     await heartbeat_fault_keeps_the_lease(pool, fake, error)
 
 
-# --- outages past the lease, a read-only database (#30) ------------------------------------
+# --- outages past the lease, a read-only database ------------------------------------------
 
 
 async def test_outages_past_the_lease_spend_no_attempt_and_the_log_says_what_happened(
