@@ -133,6 +133,11 @@ def answer_v2(book: LabelBook, request: ChatRequest) -> dict[str, Any]:
     if user.get("task") == "rewrite":
         observation = user["observation"]["text"]
         return {"text": compose([observation], [f["text"] for f in user.get("facts") or []])}
+    if user.get("task") == "confirm":
+        label = book.fact_label(bank, user["fact"]["text"])
+        labels = book.observation_labels(bank, user["observation"]["text"])  # a fact's: its own
+        same = label is not None and labels == frozenset({label})
+        return {"same_subject": "yes" if same else "no"}
     if user.get("task") != "decide":
         raise OracleError(f"unknown v2 task {user.get('task')!r}")
     decisions = {}

@@ -19,10 +19,13 @@ from consolidation.llm import narrow
 from consolidation.llm.client import LLMAnswer
 from consolidation.llm.prompts import Chat, PassPlan, PassRequest
 from consolidation.llm.prompts_v2 import (
+    NEW,
     Decision,
     Question,
     Shown,
+    confirm_chat,
     decide_chat,
+    parse_confirm,
     parse_decisions,
     parse_rewrite,
     rewrite_chat,
@@ -55,12 +58,7 @@ async def answer_pass(
     if complete is None:
         decisions = narrow.local_decisions(found, options)
     else:
-        size = options.facts_per_call
-        chunks = [found.questions[i : i + size] for i in range(0, len(found.questions), size)]
-        answers = await asyncio.gather(*(_decide(complete, inputs, chunk) for chunk in chunks))
-        decisions = narrow.checked_decisions(
-            found, {ref: d for answer in answers for ref, d in answer.items()}
-        )
+        decisions = await _decisions(complete, inputs, found, options)
     groups = narrow.assemble(inputs, decisions)
     wanted = [(i, g) for i, g in enumerate(groups) if g.updating]
     if complete is None:
@@ -75,6 +73,49 @@ async def answer_pass(
     return narrow.to_plan(
         inputs, groups, {i: text for (i, _), text in zip(wanted, texts_of, strict=True)}
     )
+
+
+async def _decisions(
+    complete: Complete,
+    inputs: narrow.PassInputs,
+    found: narrow.Candidates,
+    options: narrow.NarrowOptions,
+) -> dict[str, Decision]:
+    """Every fact's decision: the sure ones without a call, the rest asked, and a same/update
+    whose candidate shares no telling word with the fact confirmed by a yes/no question."""
+    sure = narrow.sure_decisions(found, options)
+    asked = [q for q in found.questions if q.fact.ref not in sure]
+    size = options.facts_per_call
+    chunks = [asked[i : i + size] for i in range(0, len(asked), size)]
+    answers = await asyncio.gather(*(_decide(complete, inputs, chunk) for chunk in chunks))
+    said = {ref: d for answer in answers for ref, d in answer.items()}
+    doubtful = narrow.unlinked(found, said)
+    if options.confirm:
+        confirmed = await asyncio.gather(
+            *(_confirm(complete, inputs, found, ref, said[ref]) for ref in doubtful)
+        )
+    else:
+        confirmed = [False] * len(doubtful)
+    for ref, yes in zip(doubtful, confirmed, strict=True):
+        if not yes:
+            said[ref] = Decision(NEW)
+    return narrow.checked_decisions(found, {**said, **sure})
+
+
+async def _confirm(
+    complete: Complete,
+    inputs: narrow.PassInputs,
+    found: narrow.Candidates,
+    ref: str,
+    decision: Decision,
+) -> bool:
+    question = found.question(ref)
+    target = next(c for c in question.candidates if c.ref == decision.target)
+    chat = confirm_chat(inputs.bank, inputs.scope, inputs.mission, question.fact, target)
+    try:
+        return parse_confirm((await complete(chat)).content)
+    except InvalidLLMOutput:
+        return False  # no usable yes: the fact stays apart, which loses nothing
 
 
 async def _decide(

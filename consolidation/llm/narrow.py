@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from uuid import UUID
@@ -29,11 +30,14 @@ from consolidation.llm.prompts import (
     UpdateAction,
 )
 from consolidation.llm.prompts_v2 import (
+    CONFIRM,
     DECIDE,
     NEW,
+    NO,
     REWRITE,
     SAME,
     UPDATE,
+    YES,
     Decision,
     Question,
     Shown,
@@ -51,6 +55,11 @@ class NarrowOptions:
     cosine_floor: float = 0.4  # with embeddings: no candidate below it
     lexical_floor: float = 0.2  # without: offline.similarity below it is no candidate
     facts_per_call: int = 1  # a small model compares one fact with its candidates far better
+    # With a model: a candidate at least this near (cosine) is the same subject without asking.
+    sure_cosine: float = 0.85
+    # With a model: a same/update whose candidate shares no telling word with the fact is asked
+    # once more, as a yes/no question about that one pair; without confirming, it is new.
+    confirm: bool = True
     # Deciding without a model (the offline consolidator): the nearest candidate at least this
     # near is the same subject.
     local_cosine: float = 0.7
@@ -117,6 +126,27 @@ class Candidates:
     questions: tuple[Question, ...]
     nearness: Mapping[tuple[str, str], float]
     by_cosine: frozenset[str]  # the facts whose nearness is a cosine (else lexical)
+    # (fact ref, candidate ref) pairs that share a telling word (:func:`telling_words`).
+    linked: frozenset[tuple[str, str]] = frozenset()
+
+    def question(self, ref: str) -> Question:
+        return next(q for q in self.questions if q.fact.ref == ref)
+
+
+def common_stems(texts: Iterable[str]) -> frozenset[str]:
+    """Word stems found in more than half of ``texts`` (and in at least three): the name of the
+    project or the person that every fact of a scope repeats. Sharing one says nothing about
+    whether two facts are about the same thing ("Maria leads the design work on Atlas" and "The
+    Atlas backend is written in Go")."""
+    distinct = list(dict.fromkeys(texts))
+    counts = Counter(stem for text in distinct for stem in _stems(text))
+    return frozenset(s for s, n in counts.items() if n >= 3 and 2 * n > len(distinct))
+
+
+def telling_words(a: str, b: str, common: frozenset[str]) -> frozenset[str]:
+    """The stems ``a`` and ``b`` share that can tell a subject: neither common in the pass nor
+    a bare number (a year or a count two unrelated facts may both give)."""
+    return frozenset(stem for stem in (_stems(a) & _stems(b)) - common if not stem.isdigit())
 
 
 def pick_candidates(
@@ -128,6 +158,8 @@ def pick_candidates(
     questions: list[Question] = []
     nearness: dict[tuple[str, str], float] = {}
     by_cosine: set[str] = set()
+    linked: set[tuple[str, str]] = set()
+    common = common_stems(item.text for item in (*inputs.facts, *inputs.observations))
     for index, fact in enumerate(inputs.facts):
         fact_vector = vectors.get(fact.text) if vectors is not None else None
         chosen: list[Item] = []
@@ -147,9 +179,82 @@ def pick_candidates(
             for score, _, other in scored[: options.candidates]:
                 nearness[fact.ref, other.ref] = score
                 chosen.append(other)
+                if telling_words(fact.text, other.text, common):
+                    linked.add((fact.ref, other.ref))
         if chosen:
             questions.append(Question(fact.shown(), tuple(c.shown() for c in chosen)))
-    return Candidates(tuple(questions), nearness, frozenset(by_cosine))
+    return Candidates(tuple(questions), nearness, frozenset(by_cosine), frozenset(linked))
+
+
+def sure_decisions(found: Candidates, options: NarrowOptions) -> dict[str, Decision]:
+    """The facts the model need not be asked about: a candidate already says all the fact says,
+    or (with embeddings) is at cosine ``options.sure_cosine`` or nearer — ``same`` as the
+    nearest such candidate (:func:`checked_decisions` makes it an update if it says less)."""
+    sure: dict[str, Decision] = {}
+    for question in found.questions:
+        ref = question.fact.ref
+        best: tuple[float, str] | None = None
+        for candidate in question.candidates:
+            score = found.nearness.get((ref, candidate.ref), 0.0)
+            certain = says_all(candidate.text, question.fact.text) or (
+                ref in found.by_cosine and score >= options.sure_cosine
+            )
+            if certain and (best is None or score > best[0]):
+                best = (score, candidate.ref)
+        if best is not None:
+            sure[ref] = Decision(SAME, best[1])
+    return sure
+
+
+# Words by which a fact announces that a state changed ("I started a new job at Globex", "I'm
+# settled in Berlin now"): such a fact replaces something, often in words the old state never used.
+CHANGE_WORDS = frozenset(
+    {
+        "new",
+        "now",
+        "moved",
+        "started",
+        "switched",
+        "replaced",
+        "changed",
+        "took",
+        "quit",
+        "joined",
+        "left",
+        "resigned",
+        "postponed",
+        "raised",
+        "lowered",
+        "upgraded",
+        "stopped",
+        "became",
+        "instead",
+        "longer",
+    }
+)
+
+
+def announces_change(text: str) -> bool:
+    """Whether ``text`` says outright that something changed (:data:`CHANGE_WORDS`)."""
+    return not CHANGE_WORDS.isdisjoint(_WORDS.findall(text.lower()))
+
+
+def unlinked(found: Candidates, decisions: Mapping[str, Decision]) -> list[str]:
+    """The facts whose ``same``/``update`` is doubtful: the candidate shares no telling word
+    with the fact (where a small model takes "same project" or "same first name" for "same
+    subject"), unless the fact is an update that announces a change."""
+    doubtful = []
+    for ref, decision in decisions.items():
+        if (
+            decision.kind == NEW
+            or decision.target is None
+            or (ref, decision.target) in found.linked
+        ):
+            continue
+        if decision.kind == UPDATE and announces_change(found.question(ref).fact.text):
+            continue
+        doubtful.append(ref)
+    return doubtful
 
 
 def local_decisions(found: Candidates, options: NarrowOptions) -> dict[str, Decision]:
@@ -341,6 +446,7 @@ _CONNECTIVES = frozenset(
 )
 _SUFFIXES = ("ing", "ed", "es", "s")
 _DIGITS = re.compile(r"\d+")
+_WORDS = re.compile(r"[^\W_]+")
 # Below this share of a text's content words found in the rewrite, it was not kept.
 MIN_KEPT = 0.6
 
@@ -453,6 +559,11 @@ def offline_answer(request: Mapping[str, Any]) -> dict[str, Any]:
             for f in request.get("facts") or []
         ]
         return {"text": join(old, facts)}
+    if request.get("task") == CONFIRM:
+        observation = str((request.get("observation") or {}).get("text") or "")
+        fact = str((request.get("fact") or {}).get("text") or "")
+        near = offline.similarity(fact, observation) >= offline.SIMILARITY_THRESHOLD
+        return {"same_subject": YES if near else NO}
     raise ValueError(f"unknown v2 task {request.get('task')!r}")
 
 

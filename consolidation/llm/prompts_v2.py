@@ -22,6 +22,9 @@ from consolidation.llm.prompts import MAX_OBSERVATION_CHARS, Chat
 CONTRACT = "v2"
 DECIDE = "decide"
 REWRITE = "rewrite"
+CONFIRM = "confirm"
+YES = "yes"
+NO = "no"
 NEW = "new"
 SAME = "same"
 UPDATE = "update"
@@ -54,10 +57,23 @@ two plain sentences.
 ANSWER with one JSON object: {"text": "<the new text>"}. Nothing else.
 """
 
+CONFIRM_PROMPT = """\
+You keep an AI agent's memory tidy. INPUT is one JSON object with an existing "observation" and \
+a new "fact". Answer "yes" when the fact is about the same thing as the observation: it restates \
+it, adds a detail to that same thing, or replaces it with a new state (a new job replaces the \
+old job, a new home the old home, a new date the old date of the same event). Answer "no" when \
+the fact is about something else, even if it names the same person, project or place: a \
+project's database is not its language, its budget is not its launch, two people called Anna \
+are two people.
+
+ANSWER with one JSON object: {"same_subject": "yes"} or {"same_subject": "no"}. Nothing else.
+"""
+
 # Answers are short: a decision is a few tokens per fact, a rewrite one or two sentences.
 DECIDE_MAX_TOKENS_BASE = 32
 DECIDE_MAX_TOKENS_PER_FACT = 16
 REWRITE_MAX_TOKENS = 512
+CONFIRM_MAX_TOKENS = 16
 
 _FENCE = re.compile(r"\A```(?:json)?[ \t]*\n?(.*?)\n?[ \t]*```\Z", re.DOTALL | re.IGNORECASE)
 
@@ -154,6 +170,21 @@ def rewrite_chat(
     )
 
 
+def confirm_chat(
+    bank: str, scope: Sequence[str], mission: str | None, fact: Shown, candidate: Shown
+) -> Chat:
+    """The confirm request: is ``fact`` about the same subject as ``candidate``, yes or no."""
+    payload = _head(bank, scope, mission, CONFIRM)
+    payload["observation"] = {"text": candidate.text}
+    payload["fact"] = {"text": fact.text, "occurred_at": fact.at}
+    return Chat(
+        system=CONFIRM_PROMPT,
+        user=orjson.dumps(payload).decode(),
+        schema=_object_schema({"same_subject": {"type": "string", "enum": [YES, NO]}}),
+        max_tokens=CONFIRM_MAX_TOKENS,
+    )
+
+
 def _load(content: str) -> object:
     text = content.strip()
     fenced = _FENCE.match(text)
@@ -208,6 +239,16 @@ def parse_rewrite(content: str) -> str:
         problem = f"the text has {len(text)} characters, more than {MAX_OBSERVATION_CHARS}"
         raise InvalidLLMOutput(f"invalid answer: {problem}", answer=content, problems=[problem])
     return text
+
+
+def parse_confirm(content: str) -> bool:
+    """Whether a confirm answer says yes. Raises InvalidLLMOutput if it is neither."""
+    answer = _load(content)
+    value = answer.get("same_subject") if isinstance(answer, dict) else None
+    if value != YES and value != NO:
+        problem = 'the answer must be {"same_subject": "yes"} or {"same_subject": "no"}'
+        raise InvalidLLMOutput(f"invalid answer: {problem}", answer=content, problems=[problem])
+    return bool(value == YES)
 
 
 def is_v2_request(request: Mapping[str, Any]) -> bool:
