@@ -76,9 +76,10 @@ async def test_v2_collapses_a_restatement_joins_an_update_and_keeps_an_unrelated
     )
     end = await consolidate(pool, "b", llm, V2)
     assert end.status == "completed", end.error
-    assert llm.tasks() == ["decide", "decide", "rewrite"]  # one fact per decide call
-    decided = [f["ref"] for user, _ in llm.requests[:2] for f in user["facts"]]
-    assert decided == ["f3", "f4"]  # f1 and f2 have no candidate: nothing to ask
+    assert llm.tasks() == ["decide", "rewrite"]
+    decided = [f["ref"] for user, _ in llm.requests[:1] for f in user["facts"]]
+    # f1 and f2 have no candidate and f1 already says all f3 says: nothing to ask of them.
+    assert decided == ["f4"]
     assert await texts_and_sources(pool, "b") == {
         "Alice lives in Berlin. As of 2026-03-01: Alice moved from Berlin to Munich.": {
             "Alice lives in Berlin.",
@@ -95,7 +96,7 @@ async def test_v2_collapses_a_restatement_joins_an_update_and_keeps_an_unrelated
     await ingest(pool, "b", [memory("Bob plays the cello.", "04-01")])
     end = await consolidate(pool, "b", llm, V2)
     assert end.status == "completed", end.error
-    assert llm.tasks() == ["decide"]
+    assert llm.tasks() == []
     observations = await texts_and_sources(pool, "b")
     assert len(observations) == 2
     assert observations["Bob plays the cello."] == {"Bob plays the cello."}
@@ -235,14 +236,64 @@ async def test_facts_per_call_puts_several_facts_in_one_decide_call(
         "b",
         [
             memory("Alice lives in Berlin.", "01-01"),
-            memory("Alice lives in Berlin.", "01-02"),
-            memory("Alice lives in Berlin.", "01-03"),
+            memory("Alice lives in Berlin with Tom.", "01-02"),
+            memory("Alice lives in Berlin near Tom.", "01-03"),
         ],
     )
     end = await consolidate(pool, "b", llm, Settings(llm_contract="v2", llm_v2_facts_per_call=8))
     assert end.status == "completed", end.error
-    assert llm.tasks() == ["decide"]
+    assert llm.tasks()[0] == "decide"
     assert [f["ref"] for f in llm.requests[0][0]["facts"]] == ["f2", "f3"]
-    assert await texts_and_sources(pool, "b") == {
-        "Alice lives in Berlin.": {"Alice lives in Berlin."}
-    }
+    assert "decide" not in llm.tasks()[1:]
+
+
+ATLAS = [
+    "The Atlas backend is written in Go.",
+    "The Atlas budget is 120k EUR.",
+    "The weekly Atlas sync is on Tuesdays.",
+]
+
+
+@pytest.mark.parametrize(("confirmed", "expected"), [("no", 4), ("yes", 3)])
+async def test_a_same_project_update_is_confirmed_by_one_yes_or_no_question(
+    pool: asyncpg.Pool, fake: FakeLLMServer, llm: Recorder, confirmed: str, expected: int
+) -> None:
+    tags = ("atlas",)
+    await ingest(pool, "b", [memory(t, f"01-0{i + 1}", tags) for i, t in enumerate(ATLAS)])
+    assert (await consolidate(pool, "b", llm, V2)).status == "completed"
+    assert len(await texts_and_sources(pool, "b")) == 3
+    llm.requests.clear()
+    fake.control(
+        script=[
+            {"content": '{"f1": "update:o1"}'},
+            {"content": orjson.dumps({"same_subject": confirmed}).decode()},
+        ]
+    )
+    await ingest(pool, "b", [memory("Maria leads the design work on Atlas.", "02-01", tags)])
+    end = await consolidate(pool, "b", llm, V2)
+    assert end.status == "completed", end.error
+    assert llm.tasks()[:2] == ["decide", "confirm"]
+    asked = llm.requests[1][0]
+    assert asked["fact"]["text"] == "Maria leads the design work on Atlas."
+    assert asked["observation"]["text"] in ATLAS
+    observations = await texts_and_sources(pool, "b")
+    assert len(observations) == expected
+    alone = "Maria leads the design work on Atlas." in observations
+    assert alone == (confirmed == "no")
+    await assert_consistent(pool)
+
+
+async def test_an_update_announcing_a_change_needs_no_confirmation(
+    pool: asyncpg.Pool, fake: FakeLLMServer, llm: Recorder
+) -> None:
+    await ingest(pool, "b", [memory("I work as an accountant at Acme.", "01-01")])
+    assert (await consolidate(pool, "b", llm, V2)).status == "completed"
+    llm.requests.clear()
+    fake.control(script=[{"content": '{"f1": "update:o1"}'}])
+    await ingest(pool, "b", [memory("I started a new job as an analyst at Globex.", "02-01")])
+    # No word in common: only a vector (or a floor of 0) makes the old job a candidate.
+    end = await consolidate(pool, "b", llm, Settings(llm_contract="v2", llm_v2_lexical_floor=0))
+    assert end.status == "completed", end.error
+    assert llm.tasks() == ["decide", "rewrite"]
+    (text,) = await texts_and_sources(pool, "b")
+    assert "Acme" in text and "Globex" in text

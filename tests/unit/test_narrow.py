@@ -16,7 +16,9 @@ from consolidation.llm.prompts_v2 import (
     Decision,
     Question,
     Shown,
+    confirm_chat,
     decide_chat,
+    parse_confirm,
     parse_decisions,
     parse_rewrite,
     rewrite_chat,
@@ -244,3 +246,85 @@ def test_a_same_whose_candidate_does_not_say_it_all_is_applied_as_an_update() ->
         "f1": Decision("update", "o1"),
         "f2": Decision("same", "o1"),
     }
+
+
+ATLAS = [
+    "The Atlas backend is written in Go.",
+    "Maria leads the design work on Atlas.",
+    "The Atlas budget is 120k EUR.",
+    "The Atlas service is implemented in Go.",
+]
+
+
+def test_a_word_most_texts_of_the_pass_share_tells_no_subject() -> None:
+    common = narrow.common_stems(ATLAS)
+    assert "atla" in common  # "Atlas" is in all four
+    assert not common & narrow.telling_words(ATLAS[0], ATLAS[1], common)
+    assert narrow.telling_words(ATLAS[0], ATLAS[3], common) == {"go"}
+    # Two or three texts are too few to call anything common.
+    assert narrow.common_stems(ATLAS[:2]) == frozenset()
+    # A bare number shared ("2026") tells nothing either.
+    assert narrow.telling_words("Launch in 2026.", "Budget for 2026.", frozenset()) == set()
+
+
+def test_only_candidates_sharing_a_telling_word_are_linked() -> None:
+    given = inputs(ATLAS[1:], ATLAS[:1])
+    found = narrow.pick_candidates(given, None, narrow.NarrowOptions(lexical_floor=0.0))
+    assert ("f3", "o1") in found.linked  # Go
+    assert ("f1", "o1") not in found.linked  # only Atlas
+    assert ("f2", "o1") not in found.linked
+
+
+def test_an_unlinked_same_or_update_is_doubtful_unless_the_fact_announces_a_change() -> None:
+    given = inputs(
+        [
+            "Maria leads the design work on Atlas.",
+            "I started a new job at Globex.",
+            "The Atlas service is implemented in Go.",
+        ],
+        ["The Atlas backend is written in Go.", "I work as an accountant at Acme."],
+    )
+    found = narrow.pick_candidates(given, None, narrow.NarrowOptions(lexical_floor=0.0))
+    said = {
+        "f1": Decision("update", "o1"),  # same project, another subject: doubtful
+        "f2": Decision("update", "o2"),  # no word shared, but a new job replaces the old one
+        "f3": Decision("same", "o1"),  # shares "Go"
+    }
+    assert narrow.unlinked(found, said) == ["f1"]
+    assert narrow.unlinked(found, {"f2": Decision("same", "o2")}) == ["f2"]
+    assert narrow.announces_change("I'm settled in Berlin now.")
+    assert not narrow.announces_change("Maria leads the design work on Atlas.")
+
+
+def test_a_candidate_that_says_it_all_or_is_nearly_the_same_vector_is_decided_without_asking() -> (
+    None
+):
+    given = inputs(
+        ["Alice lives in Berlin.", "Alice adores tea.", "Bob fears spiders."],
+        ["Alice lives in Berlin, in Mitte.", "Alice loves tea."],
+    )
+    vectors = {
+        "Alice lives in Berlin.": [1.0, 0.0, 0.0],
+        "Alice lives in Berlin, in Mitte.": [0.9, 0.3, 0.0],
+        "Alice adores tea.": [0.0, 1.0, 0.05],
+        "Alice loves tea.": [0.0, 1.0, 0.0],
+        "Bob fears spiders.": [0.5, 0.5, 0.7],
+    }
+    found = narrow.pick_candidates(given, vectors, OPTIONS)
+    assert narrow.sure_decisions(found, OPTIONS) == {
+        "f1": Decision("same", "o1"),  # o1 says all f1 says
+        "f2": Decision("same", "o2"),  # cosine 0.999
+    }
+
+
+def test_the_confirm_question_is_pinned_to_yes_or_no() -> None:
+    fact = Shown("f1", "Anna Lindqvist handles our vendor contracts.")
+    chat = confirm_chat("b", ["ops"], None, fact, Shown("o1", "Anna Kowalski is our DBA."))
+    assert orjson.loads(chat.user)["task"] == "confirm"
+    assert chat.schema["properties"] == {"same_subject": {"type": "string", "enum": ["yes", "no"]}}
+    assert parse_confirm('{"same_subject": "yes"}') is True
+    assert parse_confirm('```json\n{"same_subject": "no"}\n```') is False
+    with pytest.raises(InvalidLLMOutput):
+        parse_confirm('{"same_subject": "maybe"}')
+    offline = narrow.offline_answer(orjson.loads(chat.user))
+    assert offline == {"same_subject": "no"}
