@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Awaitable, Callable, Sequence
 
 import orjson
+import structlog
 
 from consolidation.errors import InvalidLLMOutput
 from consolidation.llm import narrow
@@ -30,6 +31,8 @@ from consolidation.llm.prompts_v2 import (
     parse_rewrite,
     rewrite_chat,
 )
+
+log = structlog.get_logger("consolidation.llm")
 
 Complete = Callable[[Chat], Awaitable[LLMAnswer]]
 Embed = Callable[[Sequence[str]], Awaitable[Sequence[str | None]]]
@@ -99,7 +102,25 @@ async def _decisions(
     for ref, yes in zip(doubtful, confirmed, strict=True):
         if not yes:
             said[ref] = Decision(NEW)
-    return narrow.checked_decisions(found, {**said, **sure})
+    decisions = narrow.checked_decisions(found, {**said, **sure})
+    log.debug(
+        "v2_decisions",
+        decisions=[
+            {
+                "fact": q.fact.text,
+                "candidates": [c.text for c in q.candidates],
+                "decision": f"{decisions[q.fact.ref].kind}:{decisions[q.fact.ref].target or ''}",
+                "via": "sure"
+                if q.fact.ref in sure
+                else "confirmed"
+                if q.fact.ref in doubtful
+                else "model",
+            }
+            for q in found.questions
+            if q.fact.ref in decisions
+        ],
+    )
+    return decisions
 
 
 async def _confirm(

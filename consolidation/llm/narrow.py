@@ -133,6 +133,21 @@ class Candidates:
         return next(q for q in self.questions if q.fact.ref == ref)
 
 
+_SUFFIXES = ("ing", "ed", "es", "s")
+
+
+def _stem(word: str) -> str:
+    for suffix in _SUFFIXES:
+        if word.endswith(suffix) and len(word) - len(suffix) >= 3:
+            word = word[: -len(suffix)]
+            break
+    return word[:6]
+
+
+def _stems(text: str) -> frozenset[str]:
+    return frozenset(_stem(word) for word in offline.content_words(text))
+
+
 def common_stems(texts: Iterable[str]) -> frozenset[str]:
     """Word stems found in more than half of ``texts`` (and in at least three): the name of the
     project or the person that every fact of a scope repeats. Sharing one says nothing about
@@ -143,10 +158,52 @@ def common_stems(texts: Iterable[str]) -> frozenset[str]:
     return frozenset(s for s, n in counts.items() if n >= 3 and 2 * n > len(distinct))
 
 
+# Words that say how or how often rather than what: shared, they tell no subject ("I always
+# carry an EpiPen" and "Coffee for me is always black"; "backups run every night" and "our
+# monitoring runs on Nagios").
+_GENERIC_TEXT = """
+    always never every often usually sometimes still also already just really each whole
+    run runs running use uses used using keep keeps kept make makes made get gets got go goes
+    going went take takes took give gives given put puts say says said see sees seen come comes
+    came want wants like likes good great best well much many lot lots thing things way ways
+    one two three first last next day days week weeks month months year years time times
+    part main own new old now today since ago
+"""
+_DAYS_TEXT = "monday tuesday wednesday thursday friday saturday sunday weekday weekend"
+_DAYS = frozenset(_DAYS_TEXT.split())
+_GENERIC_STEMS = frozenset(_stem(word) for word in _GENERIC_TEXT.split())
+_CAPITALISED = re.compile(r"(?<![.!?:;]\s)(?<!^)\b([A-Z][\w'-]*)")
+
+
+def names(text: str) -> frozenset[str]:
+    """The stems of the words ``text`` capitalises inside a sentence (names of people, places,
+    projects, products), weekdays and months left out."""
+    found = set()
+    for word in _CAPITALISED.findall(text):
+        for part in offline.content_words(word):
+            if part not in _DAYS and part not in _CONNECTIVES:
+                found.add(_stem(part))
+    return frozenset(found)
+
+
 def telling_words(a: str, b: str, common: frozenset[str]) -> frozenset[str]:
-    """The stems ``a`` and ``b`` share that can tell a subject: neither common in the pass nor
-    a bare number (a year or a count two unrelated facts may both give)."""
-    return frozenset(stem for stem in (_stems(a) & _stems(b)) - common if not stem.isdigit())
+    """The stems ``a`` and ``b`` share that can tell a subject: neither common in the pass, nor
+    a bare number (a year or a count two unrelated facts may both give), nor a word that says
+    how or how often (:data:`_GENERIC`)."""
+    shared = (_stems(a) & _stems(b)) - common
+    return frozenset(stem for stem in shared if not stem.isdigit() and stem not in _GENERIC_STEMS)
+
+
+def linked(a: str, b: str, common: frozenset[str], named: frozenset[str] = frozenset()) -> bool:
+    """Whether ``a`` and ``b`` share enough to be about one subject: a telling word that is not
+    a name, or two names (a full name, a product's). One shared name is not enough: two
+    different people called Anna, one project's language and its budget. ``named`` adds the
+    names other texts of the pass show ("Leo plays football." opens with one)."""
+    every_name = names(a) | names(b) | named
+    shared = (_stems(a) & _stems(b)) - common
+    telling = telling_words(a, b, common) | (shared & every_name)  # "Go" the language
+    shared_names = telling & every_name
+    return bool(telling - shared_names) or len(shared_names) >= 2
 
 
 def pick_candidates(
@@ -158,8 +215,10 @@ def pick_candidates(
     questions: list[Question] = []
     nearness: dict[tuple[str, str], float] = {}
     by_cosine: set[str] = set()
-    linked: set[tuple[str, str]] = set()
-    common = common_stems(item.text for item in (*inputs.facts, *inputs.observations))
+    links: set[tuple[str, str]] = set()
+    texts = [item.text for item in (*inputs.facts, *inputs.observations)]
+    common = common_stems(texts)
+    named = frozenset().union(*map(names, texts))
     for index, fact in enumerate(inputs.facts):
         fact_vector = vectors.get(fact.text) if vectors is not None else None
         chosen: list[Item] = []
@@ -179,15 +238,16 @@ def pick_candidates(
             for score, _, other in scored[: options.candidates]:
                 nearness[fact.ref, other.ref] = score
                 chosen.append(other)
-                if telling_words(fact.text, other.text, common):
-                    linked.add((fact.ref, other.ref))
+                if linked(fact.text, other.text, common, named):
+                    links.add((fact.ref, other.ref))
         if chosen:
             questions.append(Question(fact.shown(), tuple(c.shown() for c in chosen)))
-    return Candidates(tuple(questions), nearness, frozenset(by_cosine), frozenset(linked))
+    return Candidates(tuple(questions), nearness, frozenset(by_cosine), frozenset(links))
 
 
 def sure_decisions(found: Candidates, options: NarrowOptions) -> dict[str, Decision]:
-    """The facts the model need not be asked about: a candidate already says all the fact says,
+    """The facts the model need not be asked about: a candidate says what the fact says in the
+    same words (not merely among many others: a long observation holds most short facts' words),
     or (with embeddings) is at cosine ``options.sure_cosine`` or nearer — ``same`` as the
     nearest such candidate (:func:`checked_decisions` makes it an update if it says less)."""
     sure: dict[str, Decision] = {}
@@ -196,7 +256,7 @@ def sure_decisions(found: Candidates, options: NarrowOptions) -> dict[str, Decis
         best: tuple[float, str] | None = None
         for candidate in question.candidates:
             score = found.nearness.get((ref, candidate.ref), 0.0)
-            certain = says_all(candidate.text, question.fact.text) or (
+            certain = restates(candidate.text, question.fact.text) or (
                 ref in found.by_cosine and score >= options.sure_cosine
             )
             if certain and (best is None or score > best[0]):
@@ -444,23 +504,10 @@ _CONNECTIVES = frozenset(
         "dec",
     ]
 )
-_SUFFIXES = ("ing", "ed", "es", "s")
 _DIGITS = re.compile(r"\d+")
 _WORDS = re.compile(r"[^\W_]+")
 # Below this share of a text's content words found in the rewrite, it was not kept.
 MIN_KEPT = 0.6
-
-
-def _stem(word: str) -> str:
-    for suffix in _SUFFIXES:
-        if word.endswith(suffix) and len(word) - len(suffix) >= 3:
-            word = word[: -len(suffix)]
-            break
-    return word[:6]
-
-
-def _stems(text: str) -> frozenset[str]:
-    return frozenset(_stem(word) for word in offline.content_words(text))
 
 
 def _normalized(text: str) -> str:
@@ -472,6 +519,11 @@ def says_all(text: str, fact: str) -> bool:
     if _normalized(fact).rstrip(".!?") in _normalized(text):
         return True
     return _stems(fact) <= _stems(text)
+
+
+def restates(text: str, fact: str) -> bool:
+    """Whether ``text`` and ``fact`` say the same in the same words: equal, or the same stems."""
+    return _normalized(text) == _normalized(fact) or _stems(text) == _stems(fact)
 
 
 def _share_kept(source: str, text: str) -> float:
