@@ -304,10 +304,10 @@ async def _consolidate(
     prefix.parent.mkdir(parents=True, exist_ok=True)
     child_env = {
         **os.environ,
+        "CONSOLIDATION_LOG_LEVEL": "INFO",  # --env CONSOLIDATION_LOG_LEVEL=DEBUG logs decisions
         **env,
         "CONSOLIDATION_DATABASE_URL": url,
         "CONSOLIDATION_LOG_FORMAT": "json",
-        "CONSOLIDATION_LOG_LEVEL": "INFO",
     }
     bank_file = prefix.with_name(prefix.name + "-bank.jsonl")
     bank_file.write_bytes(bank.jsonl())
