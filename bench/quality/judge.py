@@ -48,6 +48,22 @@ def stem(word: str) -> str:
     return word.rstrip("s")[:5] or word
 
 
+_MONTHS_TEXT = (
+    "January February March April May June July August September October November December"
+)
+_MONTHS = _MONTHS_TEXT.split()
+
+
+def date_words(occurred_at: str | None) -> str:
+    """The words a text may take from a memory's ``occurred_at``: "As of 2025-11-18: …" or "on
+    November 18, 2025" say when the memory's event happened, which the memory did tell."""
+    if not occurred_at or len(occurred_at) < 10:
+        return ""
+    year, month, day = occurred_at[:10].split("-")
+    name = _MONTHS[int(month) - 1] if month.isdigit() and 1 <= int(month) <= 12 else ""
+    return f"{year} {month} {day} {month.lstrip('0')} {day.lstrip('0')} {name}"
+
+
 def unsupported_words(text: str, supports: Iterable[str]) -> list[str]:
     """Content words of ``text`` found in none of ``supports`` (sorted, each once)."""
     known = {stem(w) for s in supports for w in content_words(s)}
@@ -84,7 +100,7 @@ def judge_quality(
     bank = qbank.bank
     base = judge(bank, [ObservationSeen(o.scope, o.text, o.sources) for o in observations])
     label_of = {m.key: m.label for m in bank.memories}
-    text_of = {m.key: m.text for m in bank.memories}
+    text_of = {m.key: f"{m.text} {date_words(m.occurred_at)}" for m in bank.memories}
     merged_negatives = []
     unsupported = []
     for obs in observations:

@@ -12,6 +12,7 @@ from bench.quality.judge import (
     MemoryFate,
     StoredObservation,
     baselines,
+    date_words,
     judge_quality,
     shortfalls,
     unsupported_words,
@@ -79,6 +80,13 @@ def test_content_no_source_gave_is_unsupported_and_a_paraphrase_is_not() -> None
     ]
     # What an observation said before an update supports its new text.
     assert unsupported_words("Lives in Munich.", [*sources, "Lives in Munich."]) == []
+
+
+def test_the_date_a_memory_happened_supports_a_text_that_gives_it() -> None:
+    support = f"Priya took over as lead. {date_words('2025-11-10T09:00:00Z')}"
+    assert unsupported_words("As of 2025-11-10: Priya took over as lead.", [support]) == []
+    assert unsupported_words("Priya took over as lead on November 10, 2025.", [support]) == []
+    assert unsupported_words("Priya took over as lead in 2024.", [support]) == ["2024"]
 
 
 def test_the_judge_counts_merged_hard_negatives_skips_and_invented_words() -> None:
