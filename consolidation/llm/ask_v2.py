@@ -109,7 +109,10 @@ async def _decisions(
             {
                 "fact": q.fact.text,
                 "candidates": [c.text for c in q.candidates],
-                "decision": f"{decisions[q.fact.ref].kind}:{decisions[q.fact.ref].target or ''}",
+                "decision": decisions[q.fact.ref].kind,
+                "target": next(
+                    (c.text for c in q.candidates if c.ref == decisions[q.fact.ref].target), None
+                ),
                 "via": "sure"
                 if q.fact.ref in sure
                 else "confirmed"

@@ -126,8 +126,8 @@ class Candidates:
     questions: tuple[Question, ...]
     nearness: Mapping[tuple[str, str], float]
     by_cosine: frozenset[str]  # the facts whose nearness is a cosine (else lexical)
-    # (fact ref, candidate ref) pairs that share a telling word (:func:`telling_words`).
-    linked: frozenset[tuple[str, str]] = frozenset()
+    # How many telling words (:func:`telling_words`) each (fact ref, candidate ref) shares.
+    shared: Mapping[tuple[str, str], int] = field(default_factory=dict)
 
     def question(self, ref: str) -> Question:
         return next(q for q in self.questions if q.fact.ref == ref)
@@ -163,47 +163,24 @@ def common_stems(texts: Iterable[str]) -> frozenset[str]:
 # monitoring runs on Nagios").
 _GENERIC_TEXT = """
     always never every often usually sometimes still also already just really each whole
-    run runs running use uses used using keep keeps kept make makes made get gets got go goes
-    going went take takes took give gives given put puts say says said see sees seen come comes
+    run runs running use uses used using keep keeps kept make makes made get gets got take takes took give gives given put puts say says said see sees seen come comes
     came want wants like likes good great best well much many lot lots thing things way ways
     one two three first last next day days week weeks month months year years time times
     part main own new old now today since ago
 """
-_DAYS_TEXT = "monday tuesday wednesday thursday friday saturday sunday weekday weekend"
-_DAYS = frozenset(_DAYS_TEXT.split())
 _GENERIC_STEMS = frozenset(_stem(word) for word in _GENERIC_TEXT.split())
-_CAPITALISED = re.compile(r"(?<![.!?:;]\s)(?<!^)\b([A-Z][\w'-]*)")
-
-
-def names(text: str) -> frozenset[str]:
-    """The stems of the words ``text`` capitalises inside a sentence (names of people, places,
-    projects, products), weekdays and months left out."""
-    found = set()
-    for word in _CAPITALISED.findall(text):
-        for part in offline.content_words(word):
-            if part not in _DAYS and part not in _CONNECTIVES:
-                found.add(_stem(part))
-    return frozenset(found)
 
 
 def telling_words(a: str, b: str, common: frozenset[str]) -> frozenset[str]:
     """The stems ``a`` and ``b`` share that can tell a subject: neither common in the pass, nor
     a bare number (a year or a count two unrelated facts may both give), nor a word that says
-    how or how often (:data:`_GENERIC`)."""
+    how or how often (``_GENERIC_TEXT``)."""
     shared = (_stems(a) & _stems(b)) - common
     return frozenset(stem for stem in shared if not stem.isdigit() and stem not in _GENERIC_STEMS)
 
 
-def linked(a: str, b: str, common: frozenset[str], named: frozenset[str] = frozenset()) -> bool:
-    """Whether ``a`` and ``b`` share enough to be about one subject: a telling word that is not
-    a name, or two names (a full name, a product's). One shared name is not enough: two
-    different people called Anna, one project's language and its budget. ``named`` adds the
-    names other texts of the pass show ("Leo plays football." opens with one)."""
-    every_name = names(a) | names(b) | named
-    shared = (_stems(a) & _stems(b)) - common
-    telling = telling_words(a, b, common) | (shared & every_name)  # "Go" the language
-    shared_names = telling & every_name
-    return bool(telling - shared_names) or len(shared_names) >= 2
+# A same/update whose fact and candidate share fewer telling words than this is asked once more.
+STRONG_LINK = 2
 
 
 def pick_candidates(
@@ -215,10 +192,8 @@ def pick_candidates(
     questions: list[Question] = []
     nearness: dict[tuple[str, str], float] = {}
     by_cosine: set[str] = set()
-    links: set[tuple[str, str]] = set()
-    texts = [item.text for item in (*inputs.facts, *inputs.observations)]
-    common = common_stems(texts)
-    named = frozenset().union(*map(names, texts))
+    shared: dict[tuple[str, str], int] = {}
+    common = common_stems(item.text for item in (*inputs.facts, *inputs.observations))
     for index, fact in enumerate(inputs.facts):
         fact_vector = vectors.get(fact.text) if vectors is not None else None
         chosen: list[Item] = []
@@ -238,11 +213,10 @@ def pick_candidates(
             for score, _, other in scored[: options.candidates]:
                 nearness[fact.ref, other.ref] = score
                 chosen.append(other)
-                if linked(fact.text, other.text, common, named):
-                    links.add((fact.ref, other.ref))
+                shared[fact.ref, other.ref] = len(telling_words(fact.text, other.text, common))
         if chosen:
             questions.append(Question(fact.shown(), tuple(c.shown() for c in chosen)))
-    return Candidates(tuple(questions), nearness, frozenset(by_cosine), frozenset(links))
+    return Candidates(tuple(questions), nearness, frozenset(by_cosine), shared)
 
 
 def sure_decisions(found: Candidates, options: NarrowOptions) -> dict[str, Decision]:
@@ -300,18 +274,19 @@ def announces_change(text: str) -> bool:
 
 
 def unlinked(found: Candidates, decisions: Mapping[str, Decision]) -> list[str]:
-    """The facts whose ``same``/``update`` is doubtful: the candidate shares no telling word
-    with the fact (where a small model takes "same project" or "same first name" for "same
-    subject"), unless the fact is an update that announces a change."""
+    """The facts whose ``same``/``update`` is doubtful: the fact and its candidate share fewer
+    than :data:`STRONG_LINK` telling words — one name ("Anna", "Lisbon"), one word of a trade
+    ("database", "service") — where a small model takes "same project" or "same person" for
+    "same subject". An update that announces a change ("I moved from Paris to Berlin") needs one."""
     doubtful = []
     for ref, decision in decisions.items():
-        if (
-            decision.kind == NEW
-            or decision.target is None
-            or (ref, decision.target) in found.linked
-        ):
+        if decision.kind == NEW or decision.target is None:
             continue
-        if decision.kind == UPDATE and announces_change(found.question(ref).fact.text):
+        shared = found.shared.get((ref, decision.target), 0)
+        if shared >= STRONG_LINK:
+            continue
+        changes = decision.kind == UPDATE and announces_change(found.question(ref).fact.text)
+        if changes and shared >= 1:
             continue
         doubtful.append(ref)
     return doubtful

@@ -283,16 +283,15 @@ async def test_a_same_project_update_is_confirmed_by_one_yes_or_no_question(
     await assert_consistent(pool)
 
 
-async def test_an_update_announcing_a_change_needs_no_confirmation(
+async def test_an_update_announcing_a_change_of_what_it_names_needs_no_confirmation(
     pool: asyncpg.Pool, fake: FakeLLMServer, llm: Recorder
 ) -> None:
     await ingest(pool, "b", [memory("I work as an accountant at Acme.", "01-01")])
     assert (await consolidate(pool, "b", llm, V2)).status == "completed"
     llm.requests.clear()
     fake.control(script=[{"content": '{"f1": "update:o1"}'}])
-    await ingest(pool, "b", [memory("I started a new job as an analyst at Globex.", "02-01")])
-    # No word in common: only a vector (or a floor of 0) makes the old job a candidate.
-    end = await consolidate(pool, "b", llm, Settings(llm_contract="v2", llm_v2_lexical_floor=0))
+    await ingest(pool, "b", [memory("I left Acme and started a new job at Globex.", "02-01")])
+    end = await consolidate(pool, "b", llm, V2)
     assert end.status == "completed", end.error
     assert llm.tasks() == ["decide", "rewrite"]
     (text,) = await texts_and_sources(pool, "b")
