@@ -85,14 +85,22 @@ async def _decisions(
     options: narrow.NarrowOptions,
 ) -> dict[str, Decision]:
     """Every fact's decision: the sure ones without a call, the rest asked, and a same/update
-    whose candidate shares no telling word with the fact confirmed by a yes/no question."""
+    whose candidate shares too little with the fact moved to the one candidate that shares
+    enough, or else confirmed by a yes/no question."""
     sure = narrow.sure_decisions(found, options)
     asked = [q for q in found.questions if q.fact.ref not in sure]
     size = options.facts_per_call
     chunks = [asked[i : i + size] for i in range(0, len(asked), size)]
     answers = await asyncio.gather(*(_decide(complete, inputs, chunk) for chunk in chunks))
     said = {ref: d for answer in answers for ref, d in answer.items()}
-    doubtful = narrow.unlinked(found, said)
+    model_said = dict(said)
+    doubtful = []
+    for ref in narrow.unlinked(found, said):
+        better = narrow.stronger(found, ref, said[ref])
+        if better is None:
+            doubtful.append(ref)
+        else:
+            said[ref] = better
     if options.confirm:
         confirmed = await asyncio.gather(
             *(_confirm(complete, inputs, found, ref, said[ref]) for ref in doubtful)
@@ -117,13 +125,23 @@ async def _decisions(
                 if q.fact.ref in sure
                 else "confirmed"
                 if q.fact.ref in doubtful
-                else "model",
+                else "model"
+                if said.get(q.fact.ref) == model_said.get(q.fact.ref)
+                else "retargeted",
+                "model_said": _said(q, model_said.get(q.fact.ref)),
             }
             for q in found.questions
             if q.fact.ref in decisions
         ],
     )
     return decisions
+
+
+def _said(question: Question, decision: Decision | None) -> str | None:
+    if decision is None:
+        return None
+    target = next((c.text for c in question.candidates if c.ref == decision.target), "")
+    return f"{decision.kind} {target}".strip()
 
 
 async def _confirm(

@@ -273,23 +273,38 @@ def announces_change(text: str) -> bool:
     return not CHANGE_WORDS.isdisjoint(_WORDS.findall(text.lower()))
 
 
+def _strong(found: Candidates, ref: str, target: str, kind: str) -> bool:
+    shared = found.shared.get((ref, target), 0)
+    if shared >= STRONG_LINK:
+        return True
+    return kind == UPDATE and shared >= 1 and announces_change(found.question(ref).fact.text)
+
+
 def unlinked(found: Candidates, decisions: Mapping[str, Decision]) -> list[str]:
     """The facts whose ``same``/``update`` is doubtful: the fact and its candidate share fewer
     than :data:`STRONG_LINK` telling words — one name ("Anna", "Lisbon"), one word of a trade
     ("database", "service") — where a small model takes "same project" or "same person" for
     "same subject". An update that announces a change ("I moved from Paris to Berlin") needs one."""
-    doubtful = []
-    for ref, decision in decisions.items():
-        if decision.kind == NEW or decision.target is None:
-            continue
-        shared = found.shared.get((ref, decision.target), 0)
-        if shared >= STRONG_LINK:
-            continue
-        changes = decision.kind == UPDATE and announces_change(found.question(ref).fact.text)
-        if changes and shared >= 1:
-            continue
-        doubtful.append(ref)
-    return doubtful
+    return [
+        ref
+        for ref, decision in decisions.items()
+        if decision.kind != NEW
+        and decision.target is not None
+        and not _strong(found, ref, decision.target, decision.kind)
+    ]
+
+
+def stronger(found: Candidates, ref: str, decision: Decision) -> Decision | None:
+    """For a doubtful same/update: the same kind of decision on the one other candidate that
+    is strongly linked to the fact, if there is exactly one. The model said the fact is not new
+    and pointed at the wrong candidate ("The Atlas launch has been postponed" as an update of
+    the budget, with the launch's observation beside it)."""
+    others = [
+        c.ref
+        for c in found.question(ref).candidates
+        if c.ref != decision.target and _strong(found, ref, c.ref, decision.kind)
+    ]
+    return Decision(decision.kind, others[0]) if len(others) == 1 else None
 
 
 def local_decisions(found: Candidates, options: NarrowOptions) -> dict[str, Decision]:

@@ -330,3 +330,19 @@ def test_the_confirm_question_is_pinned_to_yes_or_no() -> None:
         parse_confirm('{"same_subject": "maybe"}')
     offline = narrow.offline_answer(orjson.loads(chat.user))
     assert offline == {"same_subject": "no"}
+
+
+def test_a_doubtful_decision_moves_to_the_one_candidate_that_shares_enough() -> None:
+    given = inputs(
+        ["The Atlas launch has been postponed from 1 March to 15 April."],
+        [
+            "The Atlas budget is 120k EUR.",
+            "The Atlas launch is planned for 1 March.",
+            "The weekly Atlas sync is on Tuesdays.",
+        ],
+    )
+    found = narrow.pick_candidates(given, None, narrow.NarrowOptions(lexical_floor=0.0))
+    wrong = Decision("update", "o1")
+    assert narrow.unlinked(found, {"f1": wrong}) == ["f1"]
+    assert narrow.stronger(found, "f1", wrong) == Decision("update", "o2")
+    assert narrow.stronger(found, "f1", Decision("update", "o2")) is None
