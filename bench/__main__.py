@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import shlex
 import sys
@@ -71,6 +72,8 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             )
         if what == "tokens":
             settings = dict(item.split("=", 1) for item in args.setting)
+            if args.memories:
+                sizes = dataclasses.replace(sizes, efficiency_memories=args.memories)
             results["tokens"] = await scenarios.tokens(bench, sizes, args.loop, bank, settings)
         if what == "realistic":
             from bench.perf import realistic
@@ -284,6 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
                 metavar="NAME=VALUE",
                 help="a setting of the engine (CONSOLIDATION_NAME without the prefix, lower "
                 "case), e.g. llm_batch_size=16; repeatable",
+            )
+            p.add_argument(
+                "--memories", type=int, help="bank size (default: the efficiency bank's)"
             )
         if name == "realistic":
             p.add_argument("--median-ms", type=float, default=1000.0, help="latency median")
