@@ -112,7 +112,9 @@ class Settings(BaseSettings):
     )
 
     group_parallelism: int = Field(default=8, ge=1, le=1024)
-    wave_size: int = Field(default=200, ge=1, le=100_000)
+    # A wave is where a tag group's memories are batched together: with many small groups,
+    # a small wave leaves batches of one or two memories, each paying the whole instructions.
+    wave_size: int = Field(default=1000, ge=1, le=100_000)
     llm_batch_size: int = Field(default=8, ge=1, le=256)
     recall_limit: int = Field(default=20, ge=0, le=1000)
     mission: str | None = Field(
