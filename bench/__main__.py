@@ -3,6 +3,7 @@
 python -m bench all            # every target (about 15 minutes on 2 cores); updates docs
 python -m bench all --quick    # smaller banks, fewer repeats (a few minutes)
 python -m bench efficiency|lag|throughput|rss|profile|realistic [--quick]
+python -m bench tokens [--setting NAME=VALUE]   # tokens per memory, split by part
 python -m bench plan           # ideal times of several bank shapes, no database
 python -m bench fairness       # small banks' wait behind a 10,000-memory bank (one serve)
 python -m bench fleet [--quick]   # 1, 2 and 4 serve replicas on one Postgres, 200 banks via the API
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import shlex
 import sys
@@ -68,6 +70,11 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             results["rss"] = await scenarios.rss(
                 bench, sizes, results["throughput"], args.loop, bank
             )
+        if what == "tokens":
+            settings = dict(item.split("=", 1) for item in args.setting)
+            if args.memories:
+                sizes = dataclasses.replace(sizes, efficiency_memories=args.memories)
+            results["tokens"] = await scenarios.tokens(bench, sizes, args.loop, bank, settings)
         if what == "realistic":
             from bench.perf import realistic
 
@@ -111,6 +118,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(report.render_table(results))
     if "embeddings" in results:
         print(report.render_embeddings(results["embeddings"]))
+    if "tokens" in results:
+        from bench.perf import tokens
+
+        print(tokens.render("tokens", results["tokens"]))
     if "realistic" in results:
         from bench.perf import realistic
 
@@ -229,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("profile", "the zero-latency run under py-spy and pyinstrument"),
         ("embeddings", "zero-latency memories/s and recall cost, embeddings off vs on"),
         ("realistic", "efficiency at a real server's heavy-tailed latency (median 1 s, p99 8 s)"),
+        ("tokens", "tokens per memory on the efficiency bank, split by part; prefix reuse"),
     ):
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--quick", action="store_true", help="smaller banks, fewer repeats")
@@ -266,6 +278,18 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "embeddings":
             p.add_argument(
                 "--latency-ms", type=float, default=0.0, help="the fake LLM's latency (0)"
+            )
+        if name == "tokens":
+            p.add_argument(
+                "--setting",
+                action="append",
+                default=[],
+                metavar="NAME=VALUE",
+                help="a setting of the engine (CONSOLIDATION_NAME without the prefix, lower "
+                "case), e.g. llm_batch_size=16; repeatable",
+            )
+            p.add_argument(
+                "--memories", type=int, help="bank size (default: the efficiency bank's)"
             )
         if name == "realistic":
             p.add_argument("--median-ms", type=float, default=1000.0, help="latency median")

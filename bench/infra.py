@@ -215,6 +215,17 @@ class FakeLLM:
     def reset(self) -> None:
         httpx.post(self._admin_url("/_reset"), timeout=10).raise_for_status()
 
+    def control(self, **changes: Any) -> None:
+        """Change the fake's config fields (``FakeLLMConfig``) for the next requests."""
+        httpx.post(self._admin_url("/_control"), json=changes, timeout=10).raise_for_status()
+
+    def calls(self) -> list[dict[str, Any]]:
+        """The calls the fake recorded since its last reset, in arrival order."""
+        response = httpx.get(self._admin_url("/_stats"), timeout=60)
+        response.raise_for_status()
+        calls: list[dict[str, Any]] = response.json()["calls"]
+        return calls
+
     def stats(self) -> dict[str, Any]:
         """The fake's counters (without the per-call list, which can be long)."""
         response = httpx.get(self._admin_url("/_stats"), timeout=30)

@@ -113,6 +113,15 @@ class Settings(BaseSettings):
 
     group_parallelism: int = Field(default=8, ge=1, le=1024)
     wave_size: int = Field(default=200, ge=1, le=100_000)
+    # With many small tag groups a wave holds one or two memories of most groups, and each of
+    # their batches pays for the whole instructions: the memories read ahead fill them.
+    wave_lookahead: int = Field(
+        default=800,
+        ge=0,
+        le=1_000_000,
+        description="Pending memories read beyond a wave so that its tag groups' last batches "
+        "can be filled with their next memories (0: a wave is wave_size memories).",
+    )
     llm_batch_size: int = Field(default=8, ge=1, le=256)
     recall_limit: int = Field(default=20, ge=0, le=1000)
     mission: str | None = Field(

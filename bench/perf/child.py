@@ -7,8 +7,8 @@ run keeps runs independent and makes peak RSS (``ru_maxrss``) the engine's own.
 What it does: opens an asyncpg pool like ``db.create_pool`` (plus a query logger that counts
 statements per wave), an :class:`HTTPConsolidator` pointed at the fake LLM, starts a foreground
 operation (``queue.start_foreground``) and runs ``engine.run_operation`` on it while an
-:class:`EventLoopLagMonitor` samples the loop. ``store.fetch_wave`` is wrapped (in this process
-only) so each wave is planned by :class:`bench.perf.plan.PlanTracker` and timed.
+:class:`EventLoopLagMonitor` samples the loop. ``WavePipeline._next_wave`` is wrapped (in this
+process only) so each wave is planned by :class:`bench.perf.plan.PlanTracker` and timed.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import orjson
 from bench.perf.plan import PlanTracker
 from consolidation import db, queue, runtime, store
 from consolidation.engine import run_operation
+from consolidation.engine.waves import WavePipeline
 from consolidation.llm.embeddings import build_embedder, require_vector_storage
 from consolidation.logs import configure_logging
 from consolidation.metrics import EventLoopLagMonitor
@@ -335,18 +336,18 @@ async def run(spec: RunSpec) -> dict[str, Any]:
         async with pool.acquire() as conn:
             await require_vector_storage(conn)
     await store.warm(pool, warm, hybrid=embedder is not None)
-    fetch_wave = store.fetch_wave
+    next_wave = WavePipeline._next_wave
 
-    async def planned_fetch_wave(*args: Any, **kwargs: Any) -> list[store.WaveMemory]:
+    async def planned_next_wave(pipeline: WavePipeline) -> list[store.WaveMemory]:
         started = time.monotonic()
-        wave = await fetch_wave(*args, **kwargs)
+        wave = await next_wave(pipeline)
         if wave:
             tracker.add_wave(wave, started)
         else:
             tracker.close(started)
         return wave
 
-    store.fetch_wave = planned_fetch_wave  # type: ignore[assignment]
+    WavePipeline._next_wave = planned_next_wave  # type: ignore[method-assign,assignment]
     recorder = None
     if spec.record_to:
         from bench.perf.dbonly import Recorder
@@ -385,7 +386,7 @@ async def run(spec: RunSpec) -> dict[str, Any]:
         if recorder is not None:
             recorder.uninstall()
             await asyncio.to_thread(Path(str(spec.record_to)).write_bytes, recorder.dump())
-        store.fetch_wave = fetch_wave  # type: ignore[assignment]
+        WavePipeline._next_wave = next_wave  # type: ignore[method-assign]
         await llm.aclose()
         if embedder is not None:
             await embedder.aclose()

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from consolidation.engine.plan import plan_wave, planned_passes
+from consolidation.engine.plan import fill_last_batches, plan_wave, planned_passes
 from consolidation.scopes import Scope
 
 
@@ -284,3 +284,26 @@ def simulate_pipelined(
             if not waiting_on[later]:
                 ready.add(later)
     return now
+
+
+def engine_waves(
+    items: Sequence[Any], wave_size: int, lookahead: int, batch_size: int
+) -> list[list[Any]]:
+    """``items`` (``store.WaveMemory``-like, in consolidation order) cut into waves as the
+    engine's pipeline cuts them: ``wave_size`` items, then those of the next ``lookahead`` that
+    fill the last batches of its groups (``WavePipeline._next_wave``)."""
+
+    def todo(item: Any) -> tuple[Scope, ...]:
+        return tuple(s for s in item.scopes if s not in item.journaled)
+
+    waves: list[list[Any]] = []
+    rest = list(items)
+    while rest:
+        wave, ahead = rest[:wave_size], rest[wave_size:]
+        if lookahead and ahead:
+            joining, behind = fill_last_batches(wave, ahead[:lookahead], batch_size, todo)
+            wave += joining
+            ahead = behind + ahead[lookahead:]
+        waves.append(wave)
+        rest = ahead
+    return waves

@@ -7,6 +7,9 @@
 - ``throughput``: a zero-latency LLM: memories per second, i.e. the engine's own overhead, with
   the CPU each process (engine, Postgres backends, fake LLM) spent per memory.
 - ``rss``: peak RSS of the engine process on a 10,000- and a 100,000-memory bank.
+- ``tokens``: prompt and completion tokens per memory on the efficiency bank (the fake's
+  estimate), the prompt split into its parts and the share that repeats an earlier request
+  (:mod:`bench.perf.tokens`); a report, no target.
 
 Every engine run is a fresh process on a fresh clone of the bank's template database; runs of
 one scenario are interleaved (P8, P1, P8, P1, …) so slow drift of the machine's load hits both.
@@ -28,6 +31,8 @@ from typing import Any
 from bench.infra import BANK, Databases, FakeLLM
 from bench.perf.child import LagMonitor, RunSpec, proc_cpu_s
 from bench.perf.runner import run_child
+from bench.perf.tokens import render as render_tokens
+from bench.perf.tokens import token_report
 from bench.perf.workload import BankShape
 from consolidation.settings import load_settings
 
@@ -202,6 +207,8 @@ def _record(
         "wall_s": wall,
         "memories_per_s": memories / wall,
         "llm_calls": perf["llm_calls"],
+        "prompt_tokens": perf["prompt_tokens"],
+        "completion_tokens": perf["completion_tokens"],
         "embedding_requests": perf.get("embedding_requests", 0),
         "planned_calls": plan["calls"],
         "fake_requests": fake_stats["requests"],
@@ -649,3 +656,44 @@ async def embeddings_cost(
         "same_result_on_and_off": len({str(r["digest"]) for r in runs_off + runs_on}) == 1,
         "runs": runs_off + runs_on,
     }
+
+
+async def tokens(
+    bench: Bench,
+    sizes: Sizes,
+    loop: str = "asyncio",
+    bank: BankOptions = DEFAULT_BANK,
+    settings: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Tokens per memory on the efficiency bank at zero latency, from the requests the fake
+    recorded. Recall follows each scope's own history, so the figures are the same run after
+    run: one run is enough."""
+    shape = bank.shape(sizes.efficiency_memories)
+    settings = {"wave_size": bank.wave_size} | (settings or {})
+    scenario = Scenario("tokens-0ms", shape, latency_ms=0, loop=loop, settings=settings)
+    bench.log(
+        f"tokens: {shape.memories} memories, {shape.groups} groups, zero-latency LLM, "
+        f"settings {settings}"
+    )
+    with bench.fake(scenario) as fake:
+        fake.control(record_messages=True)
+        record = await bench.run(scenario, fake, repeat=0)
+        calls = fake.calls()
+    requests = [[(role, content) for role, content in c["messages"]] for c in calls]
+    report = token_report(
+        requests,
+        record["memories"],
+        prompt_tokens=record["prompt_tokens"],
+        completion_tokens=record["completion_tokens"],
+    )
+    result = {
+        "shape": shape.to_json(),
+        "settings": settings,
+        **report.to_json(),
+        "llm_calls": record["llm_calls"],
+        "wall_s": record["wall_s"],
+        "digest": record["digest"],
+        "actions": record["actions"],
+    }
+    bench.log(render_tokens("tokens", result))
+    return result

@@ -206,7 +206,8 @@ class Oracle:
             self.stats[f"answered_{contract}"] += 1
             if self.transcript is not None:
                 with self.transcript.open("ab") as out:
-                    out.write(orjson.dumps({"request": request.user, "answer": answer}) + b"\n")
+                    line = {"request": request.user, "answer": answer, "messages": request.messages}
+                    out.write(orjson.dumps(line) + b"\n")
         except (OracleError, KeyError, TypeError, AttributeError) as exc:
             self.stats["rejected"] += 1
             return 400, {"error": {"message": f"oracle: {exc}", "type": "invalid_request"}}

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from bench.perf import tokens
 from bench.quality.judge import shortfalls
 
 _COLUMNS = (
@@ -86,6 +87,8 @@ def render(results: Mapping[str, Any]) -> str:
         ]
         for baseline, bj in b["baselines"].items():
             lines.append(_row(baseline, _cells(bj, None, None)))
+        if b.get("tokens"):
+            lines.append("  " + tokens.render("tokens", b["tokens"]))
         short = shortfalls(j)
         if mode == "oracle" and short:
             lines.append("  the pipeline falls short of the oracle: " + "; ".join(short))

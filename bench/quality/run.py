@@ -23,8 +23,10 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from bench.infra import Databases, pgvector_server, stop_process
-from bench.perf import report
+from bench.perf import report, tokens
 from bench.quality.banks import DEFAULT_BANK_FILES, QualityBank, load_banks
 from bench.quality.judge import MemoryFate, StoredObservation, baselines, judge_quality
 from bench.realmodel import run as realmodel
@@ -168,6 +170,8 @@ async def run(args: argparse.Namespace, log: Log) -> dict[str, Any]:
                 results["banks"][qbank.name] = await _run_bank(
                     qbank, admin_url, env, logs / f"quality-{stamp}-{qbank.name}", args, log
                 )
+        if mode == "oracle":
+            _add_token_split(results["banks"], _transcript(logs / f"quality-{stamp}"))
         if mode == "model":
             server["http_statuses"] = process.http_statuses()
     results["duration_s"] = round(time.perf_counter() - started, 1)
@@ -308,11 +312,40 @@ async def read_run(
     return observations, fates
 
 
+def _transcript(prefix: Path) -> Path:
+    return prefix.with_name(prefix.name + "-oracle.jsonl")
+
+
+def _add_token_split(banks: dict[str, dict[str, Any]], transcript: Path) -> None:
+    """Each bank's prompt split into its parts and its shared prefixes
+    (:mod:`bench.perf.tokens`), from the requests the oracle wrote down, its usage (the
+    fake's estimate) shared out by characters. A real model's run has no transcript."""
+    if not transcript.exists():
+        return
+    requests: dict[str, list[list[tokens.Message]]] = {}
+    for line in transcript.read_bytes().splitlines():
+        call = orjson.loads(line)
+        bank = call["request"].get("bank")
+        messages = [(str(role), str(content)) for role, content in call.get("messages", [])]
+        if isinstance(bank, str) and messages:
+            requests.setdefault(bank, []).append(messages)
+    for name, result in banks.items():
+        if requests.get(name):
+            figures = result.get("figures") or {}
+            report = tokens.token_report(
+                requests[name],
+                result["memories"],
+                prompt_tokens=figures.get("prompt_tokens"),
+                completion_tokens=figures.get("completion_tokens", 0),
+            )
+            result["tokens"] = report.to_json()
+
+
 @contextlib.contextmanager
 def oracle_server(banks: tuple[QualityBank, ...], prefix: Path) -> Iterator[str]:
     """The oracle in a process of its own, serving ``banks``; yields its base URL."""
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    transcript = prefix.with_name(prefix.name + "-oracle.jsonl")
+    transcript = _transcript(prefix)
     command = [sys.executable, "-m", "bench.quality.oracle", "--transcript", str(transcript)]
     for qbank in banks:
         command += ["--bank-file", str(qbank.path)]

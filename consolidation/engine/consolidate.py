@@ -61,6 +61,7 @@ class ConsolidateRun:
             lease,
             wave_size=settings.wave_size,
             batch_size=settings.llm_batch_size,
+            lookahead=settings.wave_lookahead,
             asker=self.asker,
             recalls=recalls,
             slots=slots,

@@ -146,3 +146,41 @@ def plan_wave(items: Sequence[T], batch_size: int, todo: Todo[T]) -> list[list[T
     calls = [sum(1 for _ in planned_passes(group, batch_size, todo)) for group in groups]
     order = sorted(range(len(groups)), key=lambda i: -calls[i])
     return [groups[i] for i in order]
+
+
+def fill_last_batches(
+    wave: Sequence[T], ahead: Sequence[T], batch_size: int, todo: Todo[T]
+) -> tuple[list[T], list[T]]:
+    """The items of ``ahead`` that join ``wave`` to fill its groups' last batches, and the
+    others; both in order.
+
+    With many small groups a wave holds one or two memories of most groups, and each of their
+    batches pays for the whole instructions. An item joins the group whose scopes it writes when
+    all of them are that group's, the group's last batch has room, and no item before it in
+    ``ahead`` writing one of the group's scopes stayed behind — so each scope's items are still
+    passed in order, and an item that stays behind never waits on one that joined after it.
+    """
+    if batch_size <= 1:
+        return [], list(ahead)
+    owner: dict[Scope, int] = {}
+    room: list[int] = []
+    for index, group in enumerate(partition([item for item in wave if todo(item)], todo)):
+        for member in group:
+            for scope in todo(member):
+                owner[scope] = index
+        room.append(-len(group) % batch_size)
+    closed: set[int] = set()
+    taken: list[T] = []
+    kept: list[T] = []
+    for item in ahead:
+        groups = {owner.get(scope, -1) for scope in todo(item)}
+        if len(groups) == 1:
+            (index,) = groups
+            if index >= 0 and index not in closed and room[index] > 0:
+                taken.append(item)
+                room[index] -= 1
+                continue
+        # It stays behind: from now on nothing that writes its groups' scopes may pass it.
+        closed.update(groups)
+        kept.append(item)
+    return taken, kept

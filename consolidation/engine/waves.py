@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+import uuid
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 
 import asyncpg
 import structlog
@@ -20,7 +22,7 @@ from consolidation.engine.group import GroupRunner
 from consolidation.engine.member import BatchReport, MemoryState
 from consolidation.engine.openings import Openings
 from consolidation.engine.outcome import first_error
-from consolidation.engine.plan import plan_wave, planned_passes
+from consolidation.engine.plan import fill_last_batches, plan_wave, planned_passes
 from consolidation.engine.recall import RecallPlanner
 from consolidation.engine.slots import Claim, SlotAllocator
 from consolidation.engine.stop import Checkpoint, StopReason, StopSignal, settled
@@ -192,7 +194,15 @@ class WavePipeline:
     groups: GroupRunner
     closer: WaveCloser
     checkpoint: Checkpoint
+    # Pending memories read beyond a wave to fill its groups' last batches (0: a wave is one
+    # fetch of wave_size memories).
+    lookahead: int = 0
     _last_writer: dict[Scope, Claim] = field(default_factory=dict, init=False)
+    # Memories fetched and not in a wave yet, in consolidation order; the cursor is past them.
+    _ahead: deque[store.WaveMemory] = field(default_factory=deque, init=False)
+    _cursor: tuple[datetime, uuid.UUID] | None = field(default=None, init=False)
+    # The last fetch found fewer memories than it asked for: the bank had no more then.
+    _drained: bool = field(default=False, init=False)
     # The group tasks not done yet: a stop cancels them, never a wave's task, which must live
     # to commit its markers.
     _running: set[asyncio.Task[None]] = field(default_factory=set, init=False)
@@ -212,7 +222,6 @@ class WavePipeline:
         one closes. Cancelled, it cancels the groups and returns once every wave in flight has
         committed its markers, however often it is cancelled meanwhile.
         """
-        cursor = None
         exhausted = False
         in_flight: deque[asyncio.Task[None]] = deque()
         try:
@@ -224,17 +233,10 @@ class WavePipeline:
                         if not self._wants_another_wave(len(in_flight)):
                             break  # a group failed for good meanwhile: its error is the run's
                     self.checkpoint.check()  # between waves
-                    wave = await store.fetch_wave(
-                        self.pool,
-                        self.lease.bank_id,
-                        cursor,
-                        self.wave_size,
-                        self.lease.scope_filter,
-                    )
+                    wave = await self._next_wave()
                     if not wave:
                         exhausted = True
                         break
-                    cursor = (wave[-1].order, wave[-1].id)
                     in_flight.append(self._launch_wave(wave))
                 if not in_flight:
                     return
@@ -264,6 +266,42 @@ class WavePipeline:
                 if not task.cancelled():
                     task.exception()
 
+    async def _next_wave(self) -> list[store.WaveMemory]:
+        """The next wave_size pending memories, in consolidation order, then those of the
+        memories read ahead that fill the last batches of its groups
+        (:func:`consolidation.engine.plan.fill_last_batches`). Empty when none is pending."""
+        wanted = self.wave_size + self.lookahead
+        if len(self._ahead) < wanted and not (self._drained and self._ahead):
+            asked = wanted - len(self._ahead)
+            fetched = await store.fetch_wave(
+                self.pool, self.lease.bank_id, self._cursor, asked, self.lease.scope_filter
+            )
+            self._drained = len(fetched) < asked
+            if fetched:
+                self._cursor = (fetched[-1].order, fetched[-1].id)
+                self._ahead.extend(fetched)
+        wave = [self._ahead.popleft() for _ in range(min(self.wave_size, len(self._ahead)))]
+        if self.lookahead and wave and self._ahead:
+            joining, behind = fill_last_batches(wave, self._ahead, self.batch_size, self._todo)
+            if joining:
+                wave += joining
+                self._ahead = deque(behind)
+        return wave
+
+    def _todo(self, memory: store.WaveMemory) -> tuple[Scope, ...]:
+        """The scopes a memory of this run still has to pass: not journaled, and asked for."""
+        wanted = self._wanted
+        return tuple(
+            s
+            for s in memory.scopes
+            if s not in memory.journaled and (wanted is None or s in wanted)
+        )
+
+    @functools.cached_property
+    def _wanted(self) -> frozenset[Scope] | None:
+        scopes = self.lease.scope_filter
+        return None if scopes is None else frozenset(scopes)
+
     def _cancel_groups(self) -> None:
         for task in self._running:
             task.cancel()
@@ -278,22 +316,13 @@ class WavePipeline:
     def _launch_wave(self, wave: Sequence[store.WaveMemory]) -> asyncio.Task[None]:
         """Plan a wave and queue its groups for slots, each behind the earlier groups that write
         one of its scopes; returns the wave's task (it ends once its markers are committed)."""
-        wanted = None if self.lease.scope_filter is None else set(self.lease.scope_filter)
-        states = [
-            MemoryState(
-                m,
-                todo=tuple(
-                    s for s in m.scopes if s not in m.journaled and (wanted is None or s in wanted)
-                ),
-            )
-            for m in wave
-        ]
+        states = [MemoryState(m, todo=self._todo(m)) for m in wave]
         self._waves_launched += 1
         number = self._waves_launched
         facts = self.asker.prefetch(
             [s.memory.text for s in states if s.todo],
             self.closer.summary.perf,
-            keep=2 * MAX_WAVES_IN_FLIGHT * self.wave_size,
+            keep=2 * MAX_WAVES_IN_FLIGHT * max(self.wave_size, len(wave)),
         )
         groups = plan_wave(states, self.batch_size, MemoryState.remaining)
         reports: list[list[BatchReport]] = [[] for _ in groups]

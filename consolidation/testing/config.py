@@ -63,6 +63,9 @@ class FakeLLMConfig:
     reasoning_content: bool = False
     drop_system: bool = False
     envelope: str = "completion"
+    # Keep each call's messages (role, content) in its record: what a token study of the
+    # requests reads. Off by default, since a load test's 10,000 records would hold them all.
+    record_messages: bool = False
 
     def __post_init__(self) -> None:
         if self.latency_median_ms > 0 and self.latency_p99_ms < self.latency_median_ms:

@@ -36,7 +36,8 @@ status sent), ``aborted`` (client left first), ``in_flight``, ``max_in_flight``,
 (``time.monotonic()`` of this process), ``response_format`` (the requested type), ``schema``
 (whether a schema came with it), ``max_tokens`` (None when absent), ``roles`` (of the messages,
 in order), ``instructed`` (whether the first user message has instructions before the §3 object)
-and ``turns`` (the contents of the messages after it: a repair's answer and note).
+and ``turns`` (the contents of the messages after it: a repair's answer and note); with
+``record_messages`` on, also ``messages`` (``[role, content]`` of every message, as received).
 
 ``POST /embeddings`` and ``POST /v1/embeddings`` answer deterministic vectors in which
 paraphrases are close (:mod:`consolidation.testing.fake_embeddings`), with their own latency, failure
@@ -269,6 +270,8 @@ class _FakeLLM:
                 "instructed": parsed.instructed_user,
                 "turns": list(parsed.turns),
             }
+            if config.record_messages:
+                record["messages"] = [list(message) for message in parsed.messages]
             self._tally.begin(record)
             self._in_flight += 1
             self._max_in_flight = max(self._max_in_flight, self._in_flight)

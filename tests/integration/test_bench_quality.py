@@ -41,5 +41,10 @@ def test_the_oracle_run_scores_100_percent_on_every_bank(pg_admin_url: str, tmp_
         assert judgement["hard_negative_pairs"], name
         assert bank["figures"]["first_try_valid_fraction"] == 1.0, name
         assert bank["figures"]["llm_calls"] > 1, name
+        # The prompt split, from the oracle's transcript, shares out the usage it reported.
+        split = bank["tokens"]
+        assert split["prompt_tokens"] == bank["figures"]["prompt_tokens"], name
+        assert split["requests"] == bank["figures"]["llm_calls"], name
+        assert sum(split["prompt_per_memory_by_part"].values()) > 0, name
     assert "the pipeline falls short" not in run.stdout.decode()
     assert run.returncode == 0, run.stderr.decode()[-3000:]

@@ -5,6 +5,7 @@ statement counts) is pinned apart, in test_engine_schedule.py."""
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import asyncpg
@@ -71,6 +72,46 @@ async def test_one_topic_over_several_batches_of_one_scope_ends_in_one_observati
     assert set(rows[0]["sources"]) == set(ids)
     perf = end.summary.perf
     assert perf.created == 3 and perf.updated == 7
+
+
+def _interleaved(groups: int, per_group: int) -> list[dict[str, Any]]:
+    """``groups`` tag groups whose memories alternate in time, one of each group in turn."""
+    start = datetime(2026, 1, 1, tzinfo=UTC)
+    return [
+        {
+            "text": f"Person{g} drinks green tea every morning, cup {i}",
+            "tags": [f"group-{g}"],
+            "occurred_at": (start + timedelta(minutes=i * groups + g)).isoformat(),
+        }
+        for i in range(per_group)
+        for g in range(groups)
+    ]
+
+
+@pytest.mark.parametrize(("lookahead", "calls"), [(0, 24), (20, 8)])
+async def test_memories_read_ahead_fill_small_groups_batches_in_each_scopes_order(
+    pool: asyncpg.Pool, fake: FakeLLMServer, lookahead: int, calls: int
+) -> None:
+    # Four groups take turns: a wave of four holds one memory of each, so each batch would
+    # carry one memory; read ahead, each group's batch is filled with its next memories.
+    memories = _interleaved(4, 6)
+    await ingest(pool, "b", memories)
+    llm = http_llm(fake.url)
+    config = Settings(wave_size=4, wave_lookahead=lookahead, llm_batch_size=3)
+    try:
+        end = await consolidate(pool, "b", llm, config)
+    finally:
+        await llm.aclose()
+    assert end.status == "completed" and end.summary.consolidated == 24
+    stats = fake.stats()
+    assert stats["requests"] == calls
+    seen: dict[tuple[str, ...], list[str]] = {}
+    for call in stats["calls"]:
+        seen.setdefault(tuple(call["scope"]), []).extend(call["fact_texts"])
+    for g in range(4):
+        assert seen[(f"group-{g}",)] == [m["text"] for m in memories if m["tags"] == [f"group-{g}"]]
+    assert (await markers(pool, "b"))["consolidated"] == 24
+    await assert_consistent(pool)
 
 
 async def test_a_poisoned_memory_is_isolated_by_splitting_and_marked_failed(

@@ -78,6 +78,19 @@ async def test_records_each_call(fake: FakeLLMServer, http: httpx.AsyncClient) -
     assert call["status"] == 200
     assert call["started"] <= call["ended"]
     assert call["response_format"] == "json_object"
+    assert "messages" not in call
+
+
+async def test_records_the_messages_when_told_to(
+    fake: FakeLLMServer, http: httpx.AsyncClient
+) -> None:
+    fake.control(record_messages=True)
+    body = chat_body("one")
+    await http.post("/chat/completions", json=body)
+
+    (call,) = fake.stats()["calls"]
+
+    assert call["messages"] == [[m["role"], m["content"]] for m in body["messages"]]
 
 
 @pytest.mark.parametrize(

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
-from consolidation.engine.plan import GroupPlan, Pass, plan_wave, planned_passes
+from consolidation.engine.plan import (
+    GroupPlan,
+    Pass,
+    fill_last_batches,
+    plan_wave,
+    planned_passes,
+)
 from consolidation.scopes import Scope
 
 
@@ -116,3 +123,88 @@ def test_a_wave_is_planned_longest_chain_first_ties_in_order_and_done_items_left
     wave = [short[0], done, *long, tie[0]]
     groups = plan_wave(wave, 1, todo)
     assert [[m.name for m in g] for g in groups] == [["l0", "l1", "l2"], ["s1"], ["t1"]]
+
+
+# -- memories read ahead fill the last batches of a wave's groups -------------------------------
+
+
+def _members(*specs: tuple[str, tuple[Scope, ...]]) -> list[Member]:
+    return [Member(name, scopes) for name, scopes in specs]
+
+
+def _names(members: list[Member]) -> list[str]:
+    return [m.name for m in members]
+
+
+A, B, C = ("a",), ("b",), ("c",)
+
+
+def test_read_ahead_memories_fill_each_group_up_to_a_whole_batch() -> None:
+    wave = _members(("a1", (A,)), ("b1", (B,)))
+    ahead = _members(("a2", (A,)), ("b2", (B,)), ("a3", (A,)), ("a4", (A,)), ("c1", (C,)))
+
+    taken, kept = fill_last_batches(wave, ahead, 3, todo)
+
+    assert _names(taken) == ["a2", "b2", "a3"]  # a's batch is full with a1, a2, a3
+    assert _names(kept) == ["a4", "c1"]  # c has no group in the wave
+
+
+def test_a_memory_left_behind_keeps_every_later_one_of_its_scopes_behind_it() -> None:
+    # b2 writes a scope of the wave's group b and one it does not have: it stays, and so must
+    # b3, or b's memories would reach the model out of order.
+    wave = _members(("b1", (B,)))
+    ahead = _members(("b2", (B, C)), ("b3", (B,)))
+
+    taken, kept = fill_last_batches(wave, ahead, 8, todo)
+
+    assert taken == [] and _names(kept) == ["b2", "b3"]
+
+
+def test_a_memory_writing_two_groups_scopes_joins_neither() -> None:
+    wave = _members(("a1", (A,)), ("b1", (B,)))
+    ahead = _members(("ab", (A, B)), ("a2", (A,)), ("b2", (B,)))
+
+    taken, kept = fill_last_batches(wave, ahead, 4, todo)
+
+    assert taken == [] and _names(kept) == ["ab", "a2", "b2"]
+
+
+def test_a_full_last_batch_takes_nothing_and_batches_of_one_never_wait() -> None:
+    wave = _members(("a1", (A,)), ("a2", (A,)))
+    ahead = _members(("a3", (A,)))
+
+    assert fill_last_batches(wave, ahead, 2, todo) == ([], ahead)
+    assert fill_last_batches(wave, ahead, 1, todo) == ([], ahead)
+
+
+def test_memories_with_nothing_to_pass_neither_join_nor_hold_anything_back() -> None:
+    done = Member("done", (A,), applied={A})
+    wave = _members(("a1", (A,)))
+    ahead = [done, *_members(("a2", (A,)))]
+
+    taken, kept = fill_last_batches(wave, ahead, 4, todo)
+
+    assert _names(taken) == ["a2"] and kept == [done]
+
+
+def test_filling_keeps_every_scopes_memories_in_order() -> None:
+    rng = random.Random(11)
+    scopes = [A, B, C, ("a", "b"), ("d",)]
+    for _ in range(300):
+        items = [
+            Member(f"m{i}", tuple(sorted(set(rng.sample(scopes, rng.choice((1, 1, 1, 2)))))))
+            for i in range(rng.randint(1, 30))
+        ]
+        cut = rng.randint(1, len(items))
+        wave, ahead = items[:cut], items[cut:]
+
+        taken, kept = fill_last_batches(wave, ahead, rng.randint(1, 5), todo)
+
+        assert sorted(_names(taken + kept)) == sorted(_names(ahead))
+        assert _names(taken) == [m.name for m in ahead if m in taken]  # order kept
+        # Each scope is passed in its memories' order: this wave with what joined it, then
+        # the memories left behind.
+        consolidated = wave + taken + kept
+        for scope in scopes:
+            writers = [m.name for m in consolidated if scope in m.scopes]
+            assert writers == [m.name for m in items if scope in m.scopes]

@@ -14,6 +14,7 @@ def test_defaults_need_no_configuration(monkeypatch: pytest.MonkeyPatch) -> None
     settings = load_settings()
     assert settings.database_url is None and settings.llm_base_url is None
     assert settings.wave_size == 200 and settings.llm_batch_size == 8
+    assert settings.wave_lookahead == 800
     assert settings.group_parallelism == 8 and settings.llm_max_concurrent == 16
     assert settings.llm_response_format == "auto" and settings.llm_system_role == "system"
     assert settings.llm_max_tokens == 4096 and settings.llm_retry_budget_s is None
