@@ -273,38 +273,49 @@ def announces_change(text: str) -> bool:
     return not CHANGE_WORDS.isdisjoint(_WORDS.findall(text.lower()))
 
 
-def _strong(found: Candidates, ref: str, target: str, kind: str) -> bool:
-    shared = found.shared.get((ref, target), 0)
-    if shared >= STRONG_LINK:
-        return True
-    return kind == UPDATE and shared >= 1 and announces_change(found.question(ref).fact.text)
+def _shared(found: Candidates, ref: str, target: str) -> int:
+    return found.shared.get((ref, target), 0)
 
 
 def unlinked(found: Candidates, decisions: Mapping[str, Decision]) -> list[str]:
     """The facts whose ``same``/``update`` is doubtful: the fact and its candidate share fewer
     than :data:`STRONG_LINK` telling words — one name ("Anna", "Lisbon"), one word of a trade
     ("database", "service") — where a small model takes "same project" or "same person" for
-    "same subject". An update that announces a change ("I moved from Paris to Berlin") needs one."""
+    "same subject"."""
     return [
         ref
         for ref, decision in decisions.items()
         if decision.kind != NEW
         and decision.target is not None
-        and not _strong(found, ref, decision.target, decision.kind)
+        and _shared(found, ref, decision.target) < STRONG_LINK
     ]
 
 
 def stronger(found: Candidates, ref: str, decision: Decision) -> Decision | None:
-    """For a doubtful same/update: the same kind of decision on the one other candidate that
-    is strongly linked to the fact, if there is exactly one. The model said the fact is not new
-    and pointed at the wrong candidate ("The Atlas launch has been postponed" as an update of
-    the budget, with the launch's observation beside it)."""
+    """What to make of a doubtful same/update without asking again, or None to ask.
+
+    The model said the fact is not new and pointed at a candidate sharing too little with it:
+    when exactly one other candidate shares :data:`STRONG_LINK` telling words, the same kind of
+    decision on that one ("The Atlas launch has been postponed" as an update of the budget, with
+    the launch's observation beside it; "Leo quit football" as an update of Leo's allergy, with
+    his football club beside it). Else an update that announces a change of something the
+    candidate names stands ("I moved from Paris to Berlin" of "I live in Paris")."""
+    assert decision.target is not None
     others = [
         c.ref
         for c in found.question(ref).candidates
-        if c.ref != decision.target and _strong(found, ref, c.ref, decision.kind)
+        if c.ref != decision.target and _shared(found, ref, c.ref) >= STRONG_LINK
     ]
-    return Decision(decision.kind, others[0]) if len(others) == 1 else None
+    if len(others) == 1:
+        return Decision(decision.kind, others[0])
+    fact = found.question(ref).fact.text
+    if (
+        decision.kind == UPDATE
+        and _shared(found, ref, decision.target) >= 1
+        and announces_change(fact)
+    ):
+        return decision
+    return None
 
 
 def local_decisions(found: Candidates, options: NarrowOptions) -> dict[str, Decision]:
