@@ -183,3 +183,9 @@ def test_the_v2_oracle_decides_by_label_and_never_joins_a_hard_negative() -> Non
     assert answer == {"f2": "new", "f3": "update:o1", "f4": "update:o2"}
     rewrite = {"task": "rewrite", "observation": {"text": daughter}, "facts": [facts[1]]}
     assert answer_v2(book, _v2(rewrite)) == {"text": f"{daughter} {facts[1]['text']}"}
+    for fact, observation, said in (
+        (niece, daughter, "no"),
+        ("Anna, my daughter, is in grade three at school.", daughter, "yes"),
+    ):
+        confirm = {"task": "confirm", "observation": {"text": observation}, "fact": {"text": fact}}
+        assert answer_v2(book, _v2(confirm)) == {"same_subject": said}
