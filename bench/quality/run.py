@@ -155,6 +155,12 @@ async def run(args: argparse.Namespace, log: Log) -> dict[str, Any]:
         else:
             server, process = realmodel._start_server(args, logs, stamp, stack, log)
             server["url"] = process.url
+        if mode in ("model", "endpoint"):
+            # Written down on the way through, so the prompts split as an oracle run's do.
+            server["upstream_url"] = server["url"]
+            server["url"] = stack.enter_context(
+                recorder_server(server["url"], logs / f"quality-{stamp}")
+            )
         if server["url"] is not None:
             env = {
                 **env,
@@ -172,6 +178,8 @@ async def run(args: argparse.Namespace, log: Log) -> dict[str, Any]:
                 )
         if mode == "oracle":
             _add_token_split(results["banks"], _transcript(logs / f"quality-{stamp}"))
+        elif mode != "offline":
+            _add_token_split(results["banks"], _calls(logs / f"quality-{stamp}"))
         if mode == "model":
             server["http_statuses"] = process.http_statuses()
     results["duration_s"] = round(time.perf_counter() - started, 1)
@@ -316,10 +324,15 @@ def _transcript(prefix: Path) -> Path:
     return prefix.with_name(prefix.name + "-oracle.jsonl")
 
 
+def _calls(prefix: Path) -> Path:
+    return prefix.with_name(prefix.name + "-calls.jsonl")
+
+
 def _add_token_split(banks: dict[str, dict[str, Any]], transcript: Path) -> None:
     """Each bank's prompt split into its parts and its shared prefixes
-    (:mod:`bench.perf.tokens`), from the requests the oracle wrote down, its usage (the
-    fake's estimate) shared out by characters. A real model's run has no transcript."""
+    (:mod:`bench.perf.tokens`), from the requests the oracle or the recorder in front of a real
+    server wrote down, the run's usage (the oracle's estimate, the server's count) shared out by
+    characters."""
     if not transcript.exists():
         return
     requests: dict[str, list[list[tokens.Message]]] = {}
@@ -339,6 +352,30 @@ def _add_token_split(banks: dict[str, dict[str, Any]], transcript: Path) -> None
                 completion_tokens=figures.get("completion_tokens", 0),
             )
             result["tokens"] = report.to_json()
+
+
+@contextlib.contextmanager
+def recorder_server(upstream: str, prefix: Path) -> Iterator[str]:
+    """:mod:`bench.quality.recorder` in front of ``upstream``; yields its base URL."""
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    command = [
+        *(sys.executable, "-m", "bench.quality.recorder"),
+        *("--upstream", upstream, "--transcript", str(_calls(prefix))),
+    ]
+    with prefix.with_name(prefix.name + "-recorder.log").open("wb") as err:
+        process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL
+        )
+        try:
+            assert process.stdout is not None
+            url = process.stdout.readline().decode().strip()
+            if not url.startswith("http"):
+                raise RuntimeError(
+                    f"the recorder did not start (exit {process.poll()}); see {err.name}"
+                )
+            yield url
+        finally:
+            stop_process(process, 5.0)
 
 
 @contextlib.contextmanager

@@ -4,7 +4,9 @@ tests/integration/test_bench_quality.py)."""
 from __future__ import annotations
 
 from collections import defaultdict
+from pathlib import Path
 
+import httpx
 import orjson
 
 from bench.quality.banks import load_banks
@@ -189,3 +191,28 @@ def test_the_v2_oracle_decides_by_label_and_never_joins_a_hard_negative() -> Non
     ):
         confirm = {"task": "confirm", "observation": {"text": observation}, "fact": {"text": fact}}
         assert answer_v2(book, _v2(confirm)) == {"same_subject": said}
+
+
+async def test_the_recorder_forwards_a_call_unchanged_and_writes_it_down(tmp_path: Path) -> None:
+    from bench.quality.run import recorder_server
+    from consolidation.testing.fake_llm import FakeLLMConfig, FakeLLMServer
+
+    user = {"bank": "b", "scope": ["x"], "mission": None, "facts": [], "observations": []}
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": orjson.dumps(user).decode()},
+        ],
+    }
+    with FakeLLMServer(FakeLLMConfig()) as fake, recorder_server(fake.url, tmp_path / "q") as url:
+        async with httpx.AsyncClient(base_url=url, timeout=10.0) as client:
+            answer = await client.post("/chat/completions", json=body)
+            direct = await client.post(f"{fake.url}/chat/completions", json=body)
+    assert answer.status_code == 200
+    assert answer.json()["choices"] == direct.json()["choices"]
+    (line,) = (tmp_path / "q-calls.jsonl").read_bytes().splitlines()
+    assert orjson.loads(line) == {
+        "request": user,
+        "messages": [["system", "S"], ["user", orjson.dumps(user).decode()]],
+    }
