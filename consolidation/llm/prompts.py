@@ -123,26 +123,13 @@ def build_request(
     facts: Sequence[FactInput],
     observations: Sequence[ObservationInput],
 ) -> PassRequest:
-    """Build the user message of DESIGN §3; facts become ``f1…``, observations ``o1…``.
-
-    Keys go from what changes least to what changes most (bank, scope, mission, the scope's
-    observations, the pass's facts), so that consecutive requests share the longest prefix a
-    server's prompt cache can reuse; the contract fixes the keys, not their order."""
+    """Build the user message of DESIGN §3; facts become ``f1…``, observations ``o1…``."""
     fact_refs = {f"f{i}": fact.memory_id for i, fact in enumerate(facts, start=1)}
     observation_refs = {f"o{i}": obs.observation_id for i, obs in enumerate(observations, start=1)}
     payload = {
         "bank": bank_id,
         "scope": list(scope),
         "mission": mission,
-        "observations": [
-            {
-                "ref": ref,
-                "text": obs.text,
-                "sources": obs.sources,
-                "updated_at": _utc_iso(obs.updated_at),
-            }
-            for ref, obs in zip(observation_refs, observations, strict=True)
-        ],
         "facts": [
             {
                 "ref": ref,
@@ -151,6 +138,15 @@ def build_request(
                 "occurred_at": None if fact.occurred_at is None else _utc_iso(fact.occurred_at),
             }
             for ref, fact in zip(fact_refs, facts, strict=True)
+        ],
+        "observations": [
+            {
+                "ref": ref,
+                "text": obs.text,
+                "sources": obs.sources,
+                "updated_at": _utc_iso(obs.updated_at),
+            }
+            for ref, obs in zip(observation_refs, observations, strict=True)
         ],
     }
     return PassRequest(

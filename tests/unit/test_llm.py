@@ -45,11 +45,11 @@ def user_message(*facts: str, bank: str = "b1", scope: tuple[str, ...] = ("x",))
             "bank": bank,
             "scope": list(scope),
             "mission": None,
-            "observations": [],
             "facts": [
                 {"ref": f"f{i}", "text": text, "tags": list(scope), "occurred_at": None}
                 for i, text in enumerate(facts, start=1)
             ],
+            "observations": [],
         }
     ).decode()
 
