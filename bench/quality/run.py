@@ -355,14 +355,10 @@ def _add_token_split(banks: dict[str, dict[str, Any]], transcript: Path) -> None
 
 
 @contextlib.contextmanager
-def recorder_server(upstream: str, prefix: Path) -> Iterator[str]:
-    """:mod:`bench.quality.recorder` in front of ``upstream``; yields its base URL."""
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    command = [
-        *(sys.executable, "-m", "bench.quality.recorder"),
-        *("--upstream", upstream, "--transcript", str(_calls(prefix))),
-    ]
-    with prefix.with_name(prefix.name + "-recorder.log").open("wb") as err:
+def _server_process(command: list[str], err_path: Path, what: str) -> Iterator[str]:
+    """A bench server in a process of its own that prints its base URL on its first line (once
+    it listens); yields the URL and stops the process on exit."""
+    with err_path.open("wb") as err:
         process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL
         )
@@ -371,7 +367,7 @@ def recorder_server(upstream: str, prefix: Path) -> Iterator[str]:
             url = process.stdout.readline().decode().strip()
             if not url.startswith("http"):
                 raise RuntimeError(
-                    f"the recorder did not start (exit {process.poll()}); see {err.name}"
+                    f"the {what} did not start (exit {process.poll()}); see {err.name}"
                 )
             yield url
         finally:
@@ -379,25 +375,31 @@ def recorder_server(upstream: str, prefix: Path) -> Iterator[str]:
 
 
 @contextlib.contextmanager
+def recorder_server(upstream: str, prefix: Path) -> Iterator[str]:
+    """:mod:`bench.quality.recorder` in front of ``upstream``; yields its base URL."""
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    command = [
+        *(sys.executable, "-m", "bench.quality.recorder"),
+        *("--upstream", upstream, "--transcript", str(_calls(prefix))),
+    ]
+    with _server_process(
+        command, prefix.with_name(prefix.name + "-recorder.log"), "recorder"
+    ) as url:
+        yield url
+
+
+@contextlib.contextmanager
 def oracle_server(banks: tuple[QualityBank, ...], prefix: Path) -> Iterator[str]:
     """The oracle in a process of its own, serving ``banks``; yields its base URL."""
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    transcript = _transcript(prefix)
-    command = [sys.executable, "-m", "bench.quality.oracle", "--transcript", str(transcript)]
+    command = [
+        sys.executable,
+        "-m",
+        "bench.quality.oracle",
+        "--transcript",
+        str(_transcript(prefix)),
+    ]
     for qbank in banks:
         command += ["--bank-file", str(qbank.path)]
-    with prefix.with_name(prefix.name + "-oracle.log").open("wb") as err:
-        process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL
-        )
-        try:
-            assert process.stdout is not None
-            # The oracle listens before it prints its URL, so the URL is usable once read.
-            url = process.stdout.readline().decode().strip()
-            if not url.startswith("http"):
-                raise RuntimeError(
-                    f"the oracle did not start (exit {process.poll()}); see {err.name}"
-                )
-            yield url
-        finally:
-            stop_process(process, 5.0)
+    with _server_process(command, prefix.with_name(prefix.name + "-oracle.log"), "oracle") as url:
+        yield url
