@@ -158,15 +158,16 @@ def common_stems(texts: Iterable[str]) -> frozenset[str]:
     return frozenset(s for s, n in counts.items() if n >= 3 and 2 * n > len(distinct))
 
 
-# Words that say how or how often rather than what: shared, they tell no subject ("I always
-# carry an EpiPen" and "Coffee for me is always black"; "backups run every night" and "our
-# monitoring runs on Nagios").
+# Words that say how, how often or where rather than what: shared, they tell no subject ("I
+# always carry an EpiPen" and "Coffee for me is always black"; "backups run every night" and
+# "our monitoring runs on Nagios"; "Runbooks live in the ops wiki" and "The Atlas code lives in
+# the internal GitLab").
 _GENERIC_TEXT = """
     always never every often usually sometimes still also already just really each whole
     run runs running use uses used using keep keeps kept make makes made get gets got take takes took give gives given put puts say says said see sees seen come comes
     came want wants like likes good great best well much many lot lots thing things way ways
     one two three first last next day days week weeks month months year years time times
-    part main own new old now today since ago
+    part main own new old now today since ago live lives living lived based
 """
 _GENERIC_STEMS = frozenset(_stem(word) for word in _GENERIC_TEXT.split())
 

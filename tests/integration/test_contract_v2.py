@@ -155,7 +155,7 @@ async def test_an_invented_rewrite_is_repaired_once_then_replaced_by_the_join(
             {"content": invented},
         ]
     )
-    await ingest(pool, "b", [memory("Alice lives in Munich since March.", "03-01")])
+    await ingest(pool, "b", [memory("Alice moved from Berlin to Munich in March.", "03-01")])
     end = await consolidate(pool, "b", llm, V2)
     assert end.status == "completed", end.error
     assert llm.tasks() == ["decide", "rewrite", "rewrite"]
@@ -163,7 +163,7 @@ async def test_an_invented_rewrite_is_repaired_once_then_replaced_by_the_join(
     assert "astronaut" in str(repair)
     joined = narrow.join(
         Shown("o1", "Alice lives in Berlin."),
-        [Shown("f1", "Alice lives in Munich since March.", "2026-03-01T09:00:00Z")],
+        [Shown("f1", "Alice moved from Berlin to Munich in March.", "2026-03-01T09:00:00Z")],
     )
     assert list(await texts_and_sources(pool, "b")) == [joined]
     await assert_consistent(pool)
