@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Awaitable, Callable, Sequence
+import functools
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
 
 import orjson
 import structlog
@@ -101,47 +104,53 @@ async def _decisions(
             doubtful.append(ref)
         else:
             said[ref] = better
-    if options.confirm:
-        confirmed = await asyncio.gather(
-            *(_confirm(complete, inputs, found, ref, said[ref]) for ref in doubtful)
-        )
-    else:
-        confirmed = [False] * len(doubtful)
+    confirmed = await asyncio.gather(
+        *(_confirm(complete, inputs, found, ref, said[ref]) for ref in doubtful)
+    )
     for ref, yes in zip(doubtful, confirmed, strict=True):
         if not yes:
             said[ref] = Decision(NEW)
     decisions = narrow.checked_decisions(found, {**said, **sure})
-    log.debug(
-        "v2_decisions",
-        decisions=[
-            {
-                "fact": q.fact.text,
-                "candidates": [c.text for c in q.candidates],
-                "decision": decisions[q.fact.ref].kind,
-                "target": next(
-                    (c.text for c in q.candidates if c.ref == decisions[q.fact.ref].target), None
-                ),
-                "via": "sure"
-                if q.fact.ref in sure
-                else "confirmed"
-                if q.fact.ref in doubtful
-                else "model"
-                if said.get(q.fact.ref) == model_said.get(q.fact.ref)
-                else "retargeted",
-                "model_said": _said(q, model_said.get(q.fact.ref)),
-            }
-            for q in found.questions
-            if q.fact.ref in decisions
-        ],
-    )
+    if log.is_enabled_for(logging.DEBUG):  # the entries cost more than the check
+        explain = functools.partial(_explained, sure=sure, doubtful=doubtful, model=model_said)
+        entries = [explain(q, decisions[q.fact.ref]) for q in found.questions]
+        log.debug("v2_decisions", decisions=entries)
     return decisions
 
 
-def _said(question: Question, decision: Decision | None) -> str | None:
-    if decision is None:
-        return None
-    target = next((c.text for c in question.candidates if c.ref == decision.target), "")
-    return f"{decision.kind} {target}".strip()
+def _explained(
+    question: Question,
+    decision: Decision,
+    *,
+    sure: Mapping[str, Decision],
+    doubtful: Sequence[str],
+    model: Mapping[str, Decision],
+) -> dict[str, Any]:
+    """One fact of the ``v2_decisions`` log: its candidates, what was applied, and how."""
+    ref = question.fact.ref
+    said = model.get(ref)
+    if ref in sure:
+        via = "sure"
+    elif ref in doubtful:
+        via = "confirmed"
+    elif said is not None and said.target != decision.target:
+        via = "retargeted"  # the kind may differ too: checked_decisions turns a same into an update
+    else:
+        via = "model"
+    return {
+        "fact": question.fact.text,
+        "candidates": [c.text for c in question.candidates],
+        "decision": decision.kind,
+        "target": _text_of(question, decision.target),
+        "via": via,
+        "model_said": None
+        if said is None
+        else f"{said.kind} {_text_of(question, said.target) or ''}".strip(),
+    }
+
+
+def _text_of(question: Question, ref: str | None) -> str | None:
+    return next((c.text for c in question.candidates if c.ref == ref), None)
 
 
 async def _confirm(

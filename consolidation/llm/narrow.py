@@ -57,9 +57,6 @@ class NarrowOptions:
     facts_per_call: int = 1  # a small model compares one fact with its candidates far better
     # With a model: a candidate at least this near (cosine) is the same subject without asking.
     sure_cosine: float = 0.85
-    # With a model: a same/update whose candidate shares no telling word with the fact is asked
-    # once more, as a yes/no question about that one pair; without confirming, it is new.
-    confirm: bool = True
     # Deciding without a model (the offline consolidator): the nearest candidate at least this
     # near is the same subject.
     local_cosine: float = 0.7
@@ -164,7 +161,8 @@ def common_stems(texts: Iterable[str]) -> frozenset[str]:
 # the internal GitLab").
 _GENERIC_TEXT = """
     always never every often usually sometimes still also already just really each whole
-    run runs running use uses used using keep keeps kept make makes made get gets got take takes took give gives given put puts say says said see sees seen come comes
+    run runs running use uses used using keep keeps kept make makes made get gets got
+    take takes took give gives given put puts say says said see sees seen come comes
     came want wants like likes good great best well much many lot lots thing things way ways
     one two three first last next day days week weeks month months year years time times
     part main own new old now today since ago live lives living lived based
@@ -243,35 +241,16 @@ def sure_decisions(found: Candidates, options: NarrowOptions) -> dict[str, Decis
 
 # Words by which a fact announces that a state changed ("I started a new job at Globex", "I'm
 # settled in Berlin now"): such a fact replaces something, often in words the old state never used.
-CHANGE_WORDS = frozenset(
-    {
-        "new",
-        "now",
-        "moved",
-        "started",
-        "switched",
-        "replaced",
-        "changed",
-        "took",
-        "quit",
-        "joined",
-        "left",
-        "resigned",
-        "postponed",
-        "raised",
-        "lowered",
-        "upgraded",
-        "stopped",
-        "became",
-        "instead",
-        "longer",
-    }
-)
+_CHANGE_TEXT = """
+    new now moved started switched replaced changed took quit joined left resigned postponed
+    raised lowered upgraded stopped became instead longer
+"""
+CHANGE_WORDS = frozenset(_CHANGE_TEXT.split())
 
 
 def announces_change(text: str) -> bool:
     """Whether ``text`` says outright that something changed (:data:`CHANGE_WORDS`)."""
-    return not CHANGE_WORDS.isdisjoint(_WORDS.findall(text.lower()))
+    return not CHANGE_WORDS.isdisjoint(offline.content_words(text))
 
 
 def _shared(found: Candidates, ref: str, target: str) -> int:
@@ -302,18 +281,18 @@ def stronger(found: Candidates, ref: str, decision: Decision) -> Decision | None
     his football club beside it). Else an update that announces a change of something the
     candidate names stands ("I moved from Paris to Berlin" of "I live in Paris")."""
     assert decision.target is not None
+    question = found.question(ref)
     others = [
         c.ref
-        for c in found.question(ref).candidates
+        for c in question.candidates
         if c.ref != decision.target and _shared(found, ref, c.ref) >= STRONG_LINK
     ]
     if len(others) == 1:
         return Decision(decision.kind, others[0])
-    fact = found.question(ref).fact.text
     if (
         decision.kind == UPDATE
         and _shared(found, ref, decision.target) >= 1
-        and announces_change(fact)
+        and announces_change(question.fact.text)
     ):
         return decision
     return None
@@ -507,7 +486,6 @@ _CONNECTIVES = frozenset(
     ]
 )
 _DIGITS = re.compile(r"\d+")
-_WORDS = re.compile(r"[^\W_]+")
 # Below this share of a text's content words found in the rewrite, it was not kept.
 MIN_KEPT = 0.6
 
