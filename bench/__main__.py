@@ -79,7 +79,7 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
             from bench.perf import realistic
 
             results["realistic"] = await realistic.realistic(
-                bench, sizes, args.loop, bank, args.median_ms, args.p99_ms
+                bench, sizes, args.loop, bank, args.median_ms, args.p99_ms, args.hedge_quantile
             )
         if what == "embeddings":
             async with pgvector_server(url, _log) as vector_url:
@@ -294,6 +294,12 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "realistic":
             p.add_argument("--median-ms", type=float, default=1000.0, help="latency median")
             p.add_argument("--p99-ms", type=float, default=8000.0, help="latency p99")
+            p.add_argument(
+                "--hedge-quantile",
+                type=float,
+                default=0.9,
+                help="LLM_HEDGE_QUANTILE of the hedged configurations (0.9)",
+            )
         p.set_defaults(handler=cmd_run)
     p = sub.add_parser("report", help="render a saved result again (and the docs block)")
     p.add_argument("json", type=Path, nargs="?", default=RESULTS / "latest-all.json")

@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from types import TracebackType
@@ -232,13 +233,37 @@ class FakeLLM:
         response.raise_for_status()
         data: dict[str, Any] = response.json()
         calls = [c for c in data.pop("calls", []) if c["ended"] is not None]
-        data["call_intervals"] = [(c["started"], c["ended"], c["scope"]) for c in calls]
+        data["call_intervals"] = logical_calls(calls)
         # Time the fake spent on each call (its latency plus its own processing), as it saw it.
         served = sorted(c["ended"] - c["started"] for c in calls)
         data["in_flight_share"] = in_flight_share(calls)
         data["service_ms_mean"] = 1000 * sum(served) / len(served) if served else None
         data["service_ms_p50"] = 1000 * served[len(served) // 2] if served else None
         return data
+
+
+def logical_calls(calls: list[dict[str, Any]]) -> list[tuple[float, float, list[str]]]:
+    """(start, end, scope) of each call as the engine waited for it. A hedge's copy (the same
+    request, sent while the first was in flight) makes one call with its first: from the first's
+    start to the earliest answer (status 200) of the two, or the later end when neither was
+    answered. Retries, sent after their failed request ended, stay calls of their own."""
+    merged: list[tuple[float, float, list[str]]] = []
+    by_request: dict[tuple[Any, ...], list[dict[str, Any]]] = defaultdict(list)
+    for call in sorted(calls, key=lambda c: c["started"]):
+        by_request[(tuple(call["scope"]), tuple(call.get("fact_texts", ())))].append(call)
+    for group in by_request.values():
+        overlapping: list[dict[str, Any]] = []
+        for call in [*group, None]:
+            if overlapping and (
+                call is None or call["started"] >= max(c["ended"] for c in overlapping)
+            ):
+                answered = [c["ended"] for c in overlapping if c.get("status") == 200]
+                end = min(answered) if answered else max(c["ended"] for c in overlapping)
+                merged.append((overlapping[0]["started"], end, overlapping[0]["scope"]))
+                overlapping = []
+            if call is not None:
+                overlapping.append(call)
+    return sorted(merged)
 
 
 def in_flight_share(calls: list[dict[str, Any]]) -> dict[str, float]:

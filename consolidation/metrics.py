@@ -24,6 +24,7 @@ __all__ = [
     "EMBEDDING_REQUESTS",
     "EVENT_LOOP_LAG",
     "FORGOTTEN",
+    "LLM_HEDGES",
     "LLM_IN_FLIGHT",
     "LLM_LATENCY",
     "LLM_REQUESTS",
@@ -73,6 +74,12 @@ LLM_TOKENS = Counter(
 LLM_RETRY_AFTER = Counter(
     "consolidation_llm_retry_after_honoured",
     "Retries whose delay came from the server's Retry-After header.",
+)
+LLM_HEDGES = Counter(
+    "consolidation_llm_hedges",
+    "Hedged LLM requests (CONSOLIDATION_LLM_HEDGE_QUANTILE), by outcome: first or copy (which "
+    "answered first), neither (both failed) or preempted (a copy aborted to free its slot).",
+    ["outcome"],
 )
 EMBEDDING_REQUESTS = Counter(
     "consolidation_embedding_requests",

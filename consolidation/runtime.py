@@ -91,6 +91,7 @@ def build_consolidator(settings: Settings) -> Consolidator:
         response_format=settings.llm_response_format,
         max_tokens=settings.llm_max_tokens,
         system_role=settings.llm_system_role,
+        hedge_quantile=settings.llm_hedge_quantile,
         **options_from(settings),
     )
 

@@ -94,6 +94,14 @@ class Settings(BaseSettings):
         le=1,
         description="v2 without embeddings: no candidate below this word overlap.",
     )
+    llm_hedge_quantile: float | None = Field(
+        default=None,
+        gt=0,
+        lt=1,
+        description="Send a second copy of an LLM request still unanswered after this quantile "
+        "of recent latencies (0.95, say), into a spare LLM_MAX_CONCURRENT slot only; the first "
+        "answer wins. Unset: never (copies cost tokens).",
+    )
     llm_backoff_base_s: float = Field(default=0.5, ge=0)
     llm_backoff_max_s: float = Field(default=30.0, ge=0)
 

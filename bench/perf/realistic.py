@@ -6,7 +6,10 @@ scope whose calls must run one after another. The bound is computed from the lat
 really had (the fake records each call's start and end): the calls' total service time over the
 concurrency, or the longest chain of one scope's calls, whichever is longer — no wave barriers.
 Efficiency = bound / measured wall time. Two configurations: 8 group slots (the groups bind),
-and 16 group slots under ``LLM_MAX_CONCURRENT`` 8 (the process-wide cap binds).
+and 16 group slots under ``LLM_MAX_CONCURRENT`` 8 (the process-wide cap binds); each without and
+with hedged requests (``LLM_HEDGE_QUANTILE``, :mod:`consolidation.llm.hedge`). With hedging, a
+call is the first request and its copy together, from the first's start to the earlier answer
+(:func:`bench.infra.logical_calls`): the latency the engine waited.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from bench.perf.scenarios import DEFAULT_BANK, BankOptions, Bench, Scenario, Siz
 TARGET_EFFICIENCY = 0.95
 MEDIAN_MS = 1000
 P99_MS = 8000
+HEDGE_QUANTILE = 0.9
 
 
 @dataclass(frozen=True)
@@ -77,7 +81,12 @@ def observed(intervals: Sequence[tuple[float, float, Sequence[str]]], slots: int
 
 
 def _configurations(
-    bank: BankOptions, sizes: Sizes, loop: str, median_ms: float, p99_ms: float
+    bank: BankOptions,
+    sizes: Sizes,
+    loop: str,
+    median_ms: float,
+    p99_ms: float,
+    hedge_quantile: float = HEDGE_QUANTILE,
 ) -> list[Scenario]:
     shape = bank.shape(sizes.efficiency_memories)
     fake_args = ("--latency-median-ms", f"{median_ms:g}", "--latency-p99-ms", f"{p99_ms:g}")
@@ -92,7 +101,16 @@ def _configurations(
         )
         for label, settings in (
             ("p8", {"group_parallelism": 8}),
+            ("p8-hedged", {"group_parallelism": 8, "llm_hedge_quantile": hedge_quantile}),
             ("p16-cap8", {"group_parallelism": 16, "llm_max_concurrent": 8}),
+            (
+                "p16-cap8-hedged",
+                {
+                    "group_parallelism": 16,
+                    "llm_max_concurrent": 8,
+                    "llm_hedge_quantile": hedge_quantile,
+                },
+            ),
         )
     ]
 
@@ -104,12 +122,14 @@ async def realistic(
     bank: BankOptions = DEFAULT_BANK,
     median_ms: float = MEDIAN_MS,
     p99_ms: float = P99_MS,
+    hedge_quantile: float = HEDGE_QUANTILE,
 ) -> dict[str, Any]:
-    """Both configurations, ``sizes.efficiency_repeats`` runs each, interleaved."""
-    scenarios = _configurations(bank, sizes, loop, median_ms, p99_ms)
+    """Every configuration, ``sizes.efficiency_repeats`` runs each, interleaved."""
+    scenarios = _configurations(bank, sizes, loop, median_ms, p99_ms, hedge_quantile)
     bench.log(
         f"realistic: {scenarios[0].shape.memories} memories, {bank.groups} groups, lognormal "
-        f"latency median {median_ms:g} ms p99 {p99_ms:g} ms; P8, and P16 under a cap of 8"
+        f"latency median {median_ms:g} ms p99 {p99_ms:g} ms; P8, and P16 under a cap of 8, "
+        f"each without and with hedging at the {hedge_quantile:g} quantile"
     )
     runs: dict[str, list[dict[str, Any]]] = {s.label: [] for s in scenarios}
     for repeat in range(sizes.efficiency_repeats):
@@ -132,10 +152,13 @@ async def realistic(
                 for key in ("full_s", "underfilled_s", "tail_s", "idle_s", "longest_chain_s")
             },
             "fake_max_in_flight": max(r["fake_max_in_flight"] for r in records),
+            "llm_calls": _median([r["llm_calls"] for r in records]),
+            "fake_requests": _median([r["fake_requests"] for r in records]),
         }
     return {
         "median_ms": median_ms,
         "p99_ms": p99_ms,
+        "hedge_quantile": hedge_quantile,
         "target": TARGET_EFFICIENCY,
         "summary": summary,
         "runs": runs,
@@ -145,11 +168,12 @@ async def realistic(
 def render(results: dict[str, Any]) -> str:
     lines = [
         f"realistic latency (lognormal, median {results['median_ms']:g} ms, p99 "
-        f"{results['p99_ms']:g} ms); bound from the calls' own times, no wave barriers",
+        f"{results['p99_ms']:g} ms); bound from the calls' own times, no wave barriers; "
+        f"hedged: LLM_HEDGE_QUANTILE={results.get('hedge_quantile', HEDGE_QUANTILE):g}",
         "",
         "| configuration | efficiency (median; runs) | target | wall s | bound s | all slots "
-        "busy s | some idle s | tail s | none in flight s | longest chain s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "busy s | some idle s | tail s | none in flight s | longest chain s | requests per call |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, s in results["summary"].items():
         met = "met" if s["efficiency"] >= results["target"] else "not met"
@@ -158,6 +182,13 @@ def render(results: dict[str, Any]) -> str:
             f"| {label} | **{s['efficiency']:.3f}** ({runs}) | ≥ {results['target']} ({met}) | "
             f"{s['wall_s']:.1f} | {s['bound_s']:.1f} | {s['full_s']:.1f} | "
             f"{s['underfilled_s']:.1f} | {s['tail_s']:.1f} | {s['idle_s']:.1f} | "
-            f"{s['longest_chain_s']:.1f} |"
+            f"{s['longest_chain_s']:.1f} | {_per_call(s)} |"
         )
     return "\n".join(lines)
+
+
+def _per_call(summary: dict[str, Any]) -> str:
+    """HTTP requests the fake answered or saw aborted per LLM call of the engine (a hedge's
+    copies, and retries, make it more than 1)."""
+    calls, requests = summary.get("llm_calls"), summary.get("fake_requests")
+    return f"{requests / calls:.3f}" if calls and requests else "–"

@@ -16,7 +16,7 @@ import orjson
 import structlog
 
 from consolidation.errors import InvalidLLMOutput, LLMConfigError
-from consolidation.llm import offline, prompts
+from consolidation.llm import hedge, offline, prompts
 from consolidation.llm.transport import (
     Budget,
     Endpoint,
@@ -30,6 +30,7 @@ from consolidation.llm.transport import (
     excerpt,
 )
 from consolidation.metrics import (
+    LLM_HEDGES,
     LLM_IN_FLIGHT,
     LLM_LATENCY,
     LLM_REQUESTS,
@@ -100,7 +101,13 @@ _ROUTE = Route(
     setting="CONSOLIDATION_LLM",
     config_error=LLMConfigError,
     exhausted=LLMRetriesExhausted,
-    meters=Meters(LLM_REQUESTS, LLM_LATENCY, in_flight=LLM_IN_FLIGHT, retry_after=LLM_RETRY_AFTER),
+    meters=Meters(
+        LLM_REQUESTS,
+        LLM_LATENCY,
+        in_flight=LLM_IN_FLIGHT,
+        retry_after=LLM_RETRY_AFTER,
+        hedges=LLM_HEDGES,
+    ),
     retry_event="llm_retry",
 )
 
@@ -117,7 +124,8 @@ class HTTPConsolidator:
 
     Finds the ``response_format`` form the server accepts (``auto``) and caps ``max_tokens``;
     ``options`` (timeout, retries, retry budget, requests in flight, backoff) are the
-    transport's, :class:`consolidation.llm.transport.Endpoint`, shared with the embeddings client.
+    transport's, :class:`consolidation.llm.transport.Endpoint`, shared with the embeddings client;
+    ``hedge_quantile`` turns on hedged requests (:mod:`consolidation.llm.hedge`).
     """
 
     def __init__(
@@ -129,6 +137,8 @@ class HTTPConsolidator:
         response_format: str = "auto",
         max_tokens: int = 4096,
         system_role: str = "system",
+        hedge_quantile: float | None = None,
+        hedge_min_samples: int = hedge.MIN_SAMPLES,
         **options: Unpack[Options],
     ) -> None:
         if response_format not in RESPONSE_FORMAT_MODES:
@@ -140,7 +150,13 @@ class HTTPConsolidator:
         if max_tokens < 1:
             raise ValueError("need max_tokens >= 1")
         self._endpoint = Endpoint(
-            _ROUTE, base_url=base_url, model=model, api_key=api_key, **options
+            _ROUTE,
+            base_url=base_url,
+            model=model,
+            api_key=api_key,
+            hedge_quantile=hedge_quantile,
+            hedge_min_samples=hedge_min_samples,
+            **options,
         )
         self._url = self._endpoint.url
         self._model = model
@@ -313,7 +329,8 @@ class HTTPConsolidator:
         usage = data.get("usage")
         usage = usage if isinstance(usage, dict) else {}
         # Spent even when the answer is unusable (a cut-off answer can be thousands of tokens).
-        prompt_tokens = _token_count(usage.get("prompt_tokens"))
+        # A hedge's aborted copy is charged its prompt: a server may bill what it was sent.
+        prompt_tokens = _token_count(usage.get("prompt_tokens")) * response.copies
         completion_tokens = _token_count(usage.get("completion_tokens"))
         if finish_reason == "length":
             capped = (

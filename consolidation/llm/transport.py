@@ -11,6 +11,7 @@ request body and how an answer is read.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import email.utils
 import math
 import random
@@ -28,6 +29,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from consolidation import __version__
 from consolidation.errors import InvalidLLMOutput, LLMConfigError, TransientLLMError
+from consolidation.llm import hedge
 from consolidation.settings import Settings
 
 __all__ = [
@@ -107,6 +109,8 @@ class Reply:
     reason: str
     headers: Mapping[str, str]
     body: bytes
+    # Requests sent for it: 2 when a hedge's copy went out (consolidation.llm.hedge).
+    copies: int = 1
 
     @property
     def text(self) -> str:
@@ -180,6 +184,7 @@ class Meters:
     latency: Histogram
     in_flight: Gauge | None = None
     retry_after: Counter | None = None
+    hedges: Counter | None = None  # by outcome: first, copy, neither, preempted
 
 
 @dataclass(frozen=True)
@@ -269,6 +274,8 @@ class Endpoint:
     The transport is aiohttp: a keep-alive pool of ``max_concurrent`` connections, no redirects
     followed, ``HTTP(S)_PROXY`` / ``NO_PROXY`` read once, bodies read up to
     ``max_response_bytes`` (:class:`ResponseTooLarge` past it, retried like a transport fault).
+    With ``hedge_quantile``, a slow request gets a second copy when a slot is spare
+    (:mod:`consolidation.llm.hedge`).
     """
 
     def __init__(
@@ -285,6 +292,8 @@ class Endpoint:
         backoff_base_s: float = 0.5,
         backoff_max_s: float = 30.0,
         max_response_bytes: int = MAX_RESPONSE_BYTES,
+        hedge_quantile: float | None = None,
+        hedge_min_samples: int = hedge.MIN_SAMPLES,
     ) -> None:
         budget = 2 * timeout_s if retry_budget_s is None else retry_budget_s
         if max_concurrent < 1 or max_retries < 0 or timeout_s <= 0 or max_response_bytes < 1:
@@ -326,6 +335,13 @@ class Endpoint:
         }
         self._max_concurrent = max_concurrent
         self._semaphore = asyncio.Semaphore(max_concurrent)
+        self._hedging = (
+            None
+            if hedge_quantile is None
+            else hedge.Hedging(
+                hedge_quantile, outcomes=route.meters.hedges, min_samples=hedge_min_samples
+            )
+        )
         self._headers = {
             "accept": "application/json",
             "content-type": "application/json",
@@ -434,14 +450,42 @@ class Endpoint:
         )
 
     async def post(self, body: bytes, budget: Budget) -> Reply:
-        """One request, within the cap on requests in flight and what is left of ``budget``.
+        """One request, within the cap on requests in flight and what is left of ``budget``;
+        with hedging on, a second copy of it once it is slow and a slot is spare
+        (:mod:`consolidation.llm.hedge`): :attr:`Reply.copies` says how many were sent.
 
         Raises :class:`Retryable` for a timeout or a connection error, :class:`ResponseTooLarge`
         for a body over ``max_response_bytes``. Cancelling the caller aborts the request.
         """
         if self._closed:
             raise RuntimeError(f"the {self.route.label} client is closed")
-        async with self._semaphore:
+        hedging = self._hedging
+        if hedging is None:
+            return await self._request(body, budget)
+        reply, copies = await hedging.race(
+            self._request(body, budget),
+            lambda: self._copy(body, budget),
+            lambda reply: reply.status < 500 and reply.status not in RETRYABLE_STATUSES,
+        )
+        return reply if copies == 1 else dataclasses.replace(reply, copies=copies)
+
+    async def _copy(self, body: bytes, budget: Budget) -> Awaitable[Reply] | None:
+        """A second copy of a request, holding a slot taken now, or None when no slot is free
+        or a request waits for one (copies only ever use spare capacity)."""
+        if self._semaphore.locked():
+            return None
+        await self._semaphore.acquire()  # a free slot: taken at once, without waiting
+        return self._held(body, budget)
+
+    async def _request(self, body: bytes, budget: Budget) -> Reply:
+        if self._semaphore.locked() and self._hedging is not None:
+            self._hedging.preempt()  # a copy's slot is a first request's first
+        await self._semaphore.acquire()
+        return await self._held(body, budget)
+
+    async def _held(self, body: bytes, budget: Budget) -> Reply:
+        """One request on a slot already taken; the slot is freed when it ends."""
+        try:
             timeout_s = budget.timeout(self.timeout_s)
             if timeout_s <= 0:
                 raise Retryable("the retry budget ran out while waiting for a free request slot")
@@ -458,7 +502,7 @@ class Endpoint:
                     proxy=self._proxy,
                     timeout=aiohttp.ClientTimeout(total=timeout_s),
                 ) as response:
-                    return Reply(
+                    reply = Reply(
                         response.status,
                         response.reason or "",
                         response.headers,
@@ -473,9 +517,15 @@ class Endpoint:
                 detail = str(exc) or "connection failed"
                 raise Retryable(f"{type(exc).__name__}: {detail}") from None
             finally:
+                elapsed = time.perf_counter() - started
                 if in_flight is not None:
                     in_flight.dec()
-                meters.latency.observe(time.perf_counter() - started)
+                meters.latency.observe(elapsed)
+            if reply.status == 200 and self._hedging is not None:
+                self._hedging.observe(elapsed)
+            return reply
+        finally:
+            self._semaphore.release()
 
     async def _read(self, response: aiohttp.ClientResponse) -> bytes:
         """The body, read no further than the cap (a declared length over it is not read)."""

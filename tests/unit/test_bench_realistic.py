@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from bench.infra import logical_calls
 from bench.perf.realistic import observed
 
 
@@ -33,3 +34,31 @@ def test_gaps_between_calls_count_as_idle_and_lone_calls_before_the_last_full_as
     assert seen.underfilled_s == pytest.approx(1.0)
     assert seen.idle_s == pytest.approx(0.5)
     assert seen.full_s == pytest.approx(1.0)
+
+
+def test_a_hedge_copy_makes_one_call_with_its_first_that_ends_at_the_earlier_answer() -> None:
+    calls = [
+        # A first request, aborted once its copy (same scope and facts, sent while it was in
+        # flight) was answered.
+        {"started": 0.0, "ended": 5.0, "status": None, "scope": ["a"], "fact_texts": ["x"]},
+        {"started": 3.0, "ended": 4.0, "status": 200, "scope": ["a"], "fact_texts": ["x"]},
+        # A retry after a failure: sent after its request ended, so a call of its own.
+        {"started": 6.0, "ended": 7.0, "status": 503, "scope": ["a"], "fact_texts": ["y"]},
+        {"started": 7.5, "ended": 8.0, "status": 200, "scope": ["a"], "fact_texts": ["y"]},
+        # Another scope at the same time: never merged.
+        {"started": 3.0, "ended": 4.5, "status": 200, "scope": ["b"], "fact_texts": ["x"]},
+    ]
+    assert logical_calls(calls) == [
+        (0.0, 4.0, ["a"]),
+        (3.0, 4.5, ["b"]),
+        (6.0, 7.0, ["a"]),
+        (7.5, 8.0, ["a"]),
+    ]
+
+
+def test_a_request_and_its_copy_that_both_failed_end_at_the_later_end() -> None:
+    calls = [
+        {"started": 0.0, "ended": 5.0, "status": 503, "scope": ["a"], "fact_texts": ["x"]},
+        {"started": 3.0, "ended": 6.0, "status": None, "scope": ["a"], "fact_texts": ["x"]},
+    ]
+    assert logical_calls(calls) == [(0.0, 6.0, ["a"])]
