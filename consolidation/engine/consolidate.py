@@ -16,8 +16,18 @@ from consolidation.engine.slots import SlotAllocator
 from consolidation.engine.stop import Checkpoint
 from consolidation.engine.summary import RunSummary
 from consolidation.engine.waves import WaveCloser, WavePipeline
+from consolidation.llm.client import Consolidator, HTTPConsolidator
 
 log = structlog.get_logger("consolidation.engine")
+
+
+def group_slots(group_parallelism: int, llm: Consolidator) -> int:
+    """The operation's group slots: ``GROUP_PARALLELISM``, but never more than the LLM client's
+    cap on requests in flight. Groups past the cap would only queue at it, where requests go
+    first come first served: the slots' longest-path-first order would be lost, and a long
+    chain that queued behind short groups would be left to run alone at the end."""
+    cap = llm.max_concurrent if isinstance(llm, HTTPConsolidator) else None
+    return group_parallelism if cap is None else min(group_parallelism, cap)
 
 
 class ConsolidateRun:
@@ -38,7 +48,7 @@ class ConsolidateRun:
         )
         self.budget = TokenBudget(setting=settings.bank_token_budget)
         checkpoint = Checkpoint(context.stop, lease.operation_id, self.budget)
-        slots = SlotAllocator(settings.group_parallelism)
+        slots = SlotAllocator(group_slots(settings.group_parallelism, context.llm))
         openings = Openings()
         recalls = RecallPlanner(context.pool, self.asker, settings.recall_limit)
         passes = PassRunner(context.pool, lease, self.asker, recalls, slots, checkpoint, bound)

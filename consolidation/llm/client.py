@@ -172,6 +172,11 @@ class HTTPConsolidator:
         self._token_field = "max_tokens"
 
     @property
+    def max_concurrent(self) -> int:
+        """Requests in flight at most (``LLM_MAX_CONCURRENT``: the process's cap)."""
+        return self._endpoint.max_concurrent
+
+    @property
     def response_format_mode(self) -> str:
         """The ``response_format`` form requests are sent with now (one of
         ``prompts.RESPONSE_FORMATS``)."""

@@ -333,7 +333,7 @@ class Endpoint:
             outcome: route.meters.requests.labels(outcome=outcome)
             for outcome in ("ok", "retry", "transient", "invalid", "config")
         }
-        self._max_concurrent = max_concurrent
+        self.max_concurrent = max_concurrent
         self._semaphore = asyncio.Semaphore(max_concurrent)
         self._hedging = (
             None
@@ -369,7 +369,7 @@ class Endpoint:
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 headers=self._headers,
-                connector=aiohttp.TCPConnector(limit=self._max_concurrent),
+                connector=aiohttp.TCPConnector(limit=self.max_concurrent),
                 # Not trust_env: it reads ~/.netrc in a thread on every request (half of the
                 # engine's CPU at a fast LLM); the proxy is resolved once instead.
             )

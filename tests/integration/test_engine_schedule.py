@@ -155,6 +155,24 @@ async def test_a_freed_slot_goes_to_the_chain_that_continues_into_the_next_wave(
     assert [c["observation_texts"] for c in chain[1:]] == [[r["previous_text"]] for r in replaced]
 
 
+async def test_group_slots_past_the_llm_cap_do_not_let_short_groups_cut_into_a_chain(
+    pool: asyncpg.Pool, fake: FakeLLMServer
+) -> None:
+    # Three group slots, a client that sends one request at a time. "s" is a chain of three
+    # calls, "a" and "b" one each. Were all three groups given a slot, their calls would queue
+    # at the client's cap first come first served: s, then a and b while s applies, then the
+    # rest of s alone (s a b s s). The slots are capped at the client's one, so the longest
+    # path keeps it to its end.
+    fake.control(latency_ms=30)
+    order = ["s", "s", "s", "a", "b"]
+    end = await consolidate_notes(
+        pool, fake, order, Settings(llm_batch_size=1, group_parallelism=3), max_concurrent=1
+    )
+    assert end.status == "completed"
+    calls = sorted(fake.stats()["calls"], key=lambda c: c["started"])
+    assert [c["scope"][0] for c in calls] == ["s", "s", "s", "a", "b"]
+
+
 async def test_a_pass_asks_the_llm_while_the_previous_applies_and_sees_what_it_wrote(
     pool: asyncpg.Pool, database_url: str, fake: FakeLLMServer
 ) -> None:
