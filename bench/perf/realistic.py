@@ -14,6 +14,7 @@ call is the first request and its copy together, from the first's start to the e
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import defaultdict
 from collections.abc import Sequence
@@ -133,7 +134,14 @@ async def realistic(
     )
     runs: dict[str, list[dict[str, Any]]] = {s.label: [] for s in scenarios}
     for repeat in range(sizes.efficiency_repeats):
-        for scenario in scenarios:
+        for configuration in scenarios:
+            # Each run draws other latencies; within a run, every configuration gives each
+            # request the same one (the fake draws per request body), so they compare call
+            # for call.
+            seed = ("--seed", str(repeat + 1))
+            scenario = dataclasses.replace(
+                configuration, fake_args=(*configuration.fake_args, *seed)
+            )
             with bench.fake(scenario) as fake:
                 record = await bench.run(scenario, fake, repeat=repeat + 1)
             seen = observed(record.pop("call_intervals"), scenario.concurrency)

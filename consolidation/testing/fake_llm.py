@@ -33,7 +33,8 @@ status sent), ``aborted`` (client left first), ``in_flight``, ``max_in_flight``,
 ``max_in_flight_per_scope`` (same (bank, scope) at once), ``max_distinct_scopes_in_flight``,
 ``statuses`` and ``calls`` (arrival order, the last ``MAX_RECORDED_CALLS``): ``bank``, ``scope``,
 ``fact_texts``, ``status`` (None while in flight or when aborted), ``started``/``ended``
-(``time.monotonic()`` of this process), ``response_format`` (the requested type), ``schema``
+(``time.monotonic()`` of this process), ``delay_s`` (the latency drawn for it, when it was
+answered or refused after one), ``response_format`` (the requested type), ``schema``
 (whether a schema came with it), ``max_tokens`` (None when absent), ``roles`` (of the messages,
 in order), ``instructed`` (whether the first user message has instructions before the §3 object)
 and ``turns`` (the contents of the messages after it: a repair's answer and note); with
@@ -49,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import random
 import socket
 import threading
@@ -133,6 +135,8 @@ class _FakeLLM:
         self._lock = threading.Lock()
         self._config = dataclasses.replace(config)
         self._rng = random.Random(config.seed)
+        # How often each request body was seen: a seeded lognormal latency is drawn per body.
+        self._bodies: Counter[bytes] = Counter()
         self._script: deque[dict[str, Any]] = deque()
         # Created in the server's loop on the first request; set from any thread by close().
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -211,12 +215,14 @@ class _FakeLLM:
             self._config = dataclasses.replace(self._config, **changes)
             if "seed" in changes:
                 self._rng.seed(changes["seed"])
+                self._bodies.clear()
             self._script.extend(script)
 
     def reset(self) -> None:
         """Zero the stats and drop queued script items; the config is kept."""
         with self._lock:
             self._script.clear()
+            self._bodies.clear()
             self._clear_stats()
         self.embeddings.reset()
 
@@ -289,12 +295,26 @@ class _FakeLLM:
             )
             if refusal is not None:
                 return call, refusal
-            delay_s = service_delay_s(config, self._rng)
+            delay_s = service_delay_s(config, self._latency_rng(config, body))
+            record["delay_s"] = delay_s
             poison = config.fail_when_contains
             if poison is not None and poison.encode() in body:
                 return call, _Plan(delay_s=delay_s, status=config.fail_when_status)
             answer = _Plan(delay_s=delay_s, config=config)
             return call, _next_plan(self._script, answer, config, self._rng)
+
+    def _latency_rng(self, config: FakeLLMConfig, body: bytes) -> random.Random:
+        """What a call's latency is drawn from. A seeded lognormal latency is drawn from the
+        seed, the request's body and how often that body came before, not from the order of
+        arrival: two runs of one bank that schedule their calls differently (or one that sends
+        a hedge's copy) give each request the latency it had in the other, so they compare
+        call for call. Under the lock."""
+        if config.latency_median_ms <= 0 or config.seed is None:
+            return self._rng
+        digest = hashlib.blake2b(body, digest_size=16).digest()
+        seen = self._bodies[digest]
+        self._bodies[digest] = seen + 1
+        return random.Random(f"{config.seed}:{digest.hex()}:{seen}")
 
     def _finish(self, call: _Call, status: int | None) -> None:
         """Record the end of a call; ``status`` None means the client went away first."""

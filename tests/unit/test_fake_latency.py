@@ -3,14 +3,22 @@ time to the first token, and time per completion token."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import statistics
 
+import httpx
 import orjson
 import pytest
 from starlette.responses import Response
 
-from consolidation.testing.fake_llm import FakeLLMConfig, _with_token_time, service_delay_s
+from consolidation.testing.fake_llm import (
+    FakeLLMConfig,
+    FakeLLMServer,
+    _with_token_time,
+    service_delay_s,
+)
+from tests.unit.test_llm import SYSTEM, user_message
 
 
 def draws(config: FakeLLMConfig, n: int = 20_000, seed: int = 7) -> list[float]:
@@ -72,3 +80,43 @@ def test_errors_and_a_zero_per_token_time_add_nothing() -> None:
 def test_impossible_latencies_are_refused(fields: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         FakeLLMConfig(**fields)  # type: ignore[arg-type]
+
+
+def _delays(fake: FakeLLMServer, bodies: list[bytes]) -> dict[bytes, list[float]]:
+    drawn: dict[bytes, list[float]] = {}
+    for body in bodies:
+        response = httpx.post(
+            f"{fake.url}/chat/completions",
+            content=body,
+            headers={"content-type": "application/json"},
+            timeout=30,
+        )
+        assert response.status_code == 200
+        drawn.setdefault(body, []).append(fake.stats()["calls"][-1]["delay_s"])
+    return drawn
+
+
+def test_a_seeded_lognormal_latency_belongs_to_the_request_not_to_its_arrival() -> None:
+    # Two runs that send the same requests in other orders (a schedule change, a hedge's copy)
+    # give each request the latency it had in the other: they compare call for call.
+    config = FakeLLMConfig(latency_median_ms=1, latency_p99_ms=5, seed=3)
+    one, two = (
+        orjson.dumps(
+            {
+                "model": "m",
+                "messages": [
+                    {"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": user_message(f"fact {i}")},
+                ],
+            }
+        )
+        for i in (1, 2)
+    )
+    with FakeLLMServer(config) as fake:
+        forward = _delays(fake, [one, two, one])
+    with FakeLLMServer(config) as fake:
+        backward = _delays(fake, [two, one, one])
+    assert forward == backward
+    assert forward[one][0] != forward[one][1]  # the same request again draws anew
+    with FakeLLMServer(dataclasses.replace(config, seed=4)) as fake:
+        assert _delays(fake, [one, two]) != {b: d[:1] for b, d in forward.items()}
