@@ -207,7 +207,7 @@ def cmd_realmodel(args: argparse.Namespace) -> int:
 
 def cmd_quality(args: argparse.Namespace) -> int:
     if args.report:
-        saved = orjson.loads(args.report.read_bytes())
+        saved = quality_run.rejudge(orjson.loads(args.report.read_bytes()), args.bank_file)
         if args.markdown:
             print(quality_render.render_markdown(saved))
             print()

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import shlex
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -61,8 +62,8 @@ def add_parser(sub: Any, database_default: str, results_default: Path) -> None:
         "--report",
         type=Path,
         metavar="JSON",
-        help="run nothing: render a saved result again (with --markdown, as docs/quality.md's "
-        "tables)",
+        help="run nothing: render a saved result again, judged against the banks' current "
+        "labels (with --markdown, as docs/quality.md's tables)",
     )
     p.add_argument("--markdown", action="store_true", help="with --report: markdown tables")
     p.add_argument("--llm-model", help="model name sent to the server (default: the alias)")
@@ -233,7 +234,38 @@ async def _run_bank(
             }
             for o in observations
         ],
+        "fates": [dataclasses.asdict(f) for f in fates],
     }
+
+
+def rejudge(saved: dict[str, Any], bank_files: Sequence[Path] = ()) -> dict[str, Any]:
+    """A saved run judged again against its banks' current labels and the current rules (the
+    labels or the judge may have changed since). A bank whose labels are not found, or saved
+    without its memories' fates, keeps the judgement it was saved with."""
+    banks = {b.name: b for b in load_banks(tuple(bank_files) or DEFAULT_BANK_FILES)}
+    for name, result in saved.get("banks", {}).items():
+        qbank = banks.get(name)
+        if qbank is None or "fates" not in result:
+            continue
+        observations = [
+            StoredObservation(
+                tuple(o["scope"]), o["text"], tuple(o["sources"]), tuple(o["prior_texts"])
+            )
+            for o in result["observations"]
+        ]
+        fates = [
+            MemoryFate(
+                key=f["key"],
+                actions=tuple(f["actions"]),
+                failed_reason=f["failed_reason"],
+                consolidated=f["consolidated"],
+                skip_reason=f.get("skip_reason"),
+            )
+            for f in result["fates"]
+        ]
+        result["judgement"] = judge_quality(qbank, observations, fates)
+        result["baselines"] = baselines(qbank)
+    return saved
 
 
 async def read_run(

@@ -48,3 +48,15 @@ def test_the_oracle_run_scores_100_percent_on_every_bank(pg_admin_url: str, tmp_
         assert sum(split["prompt_per_memory_by_part"].values()) > 0, name
     assert "the pipeline falls short" not in run.stdout.decode()
     assert run.returncode == 0, run.stderr.decode()[-3000:]
+    # The saved run, judged again from what it saved, renders the same verdict.
+    again = subprocess.run(
+        [sys.executable, "-m", "bench", "quality", "--report", str(saved)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
+    assert again.returncode == 0, again.stderr.decode()[-3000:]
+    assert again.stdout.decode().count("  oracle ") == len(results["banks"])
+    assert "the pipeline falls short" not in again.stdout.decode()

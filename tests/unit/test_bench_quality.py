@@ -20,6 +20,7 @@ from bench.quality.judge import (
     unsupported_words,
 )
 from bench.quality.oracle import ChatRequest, LabelBook, Oracle, answer_v1, answer_v2
+from bench.quality.run import rejudge
 
 BANKS = load_banks()
 BY_NAME = {b.name: b for b in BANKS}
@@ -216,3 +217,41 @@ async def test_the_recorder_forwards_a_call_unchanged_and_writes_it_down(tmp_pat
         "request": user,
         "messages": [["system", "S"], ["user", orjson.dumps(user).decode()]],
     }
+
+
+def test_a_saved_run_is_judged_again_against_the_current_labels() -> None:
+    qbank = BANKS[0]
+    memories = qbank.bank.memories
+    # One observation per memory, the first memory skipped: what a run saves of it.
+    observations = [
+        {"scope": [], "text": m.text, "sources": [m.key], "prior_texts": []} for m in memories[1:]
+    ]
+    fates = [
+        {
+            "key": m.key,
+            "actions": ["skipped" if i == 0 else "created"],
+            "failed_reason": None,
+            "consolidated": True,
+            "skip_reason": "said nothing new" if i == 0 else None,
+        }
+        for i, m in enumerate(memories)
+    ]
+    saved = {
+        "banks": {
+            qbank.name: {"observations": observations, "fates": fates, "judgement": {"stale": 1}},
+            # Saved before fates were kept, or of a bank whose labels are gone: left as saved.
+            "old-run": {"observations": [], "judgement": {"stale": 1}},
+        }
+    }
+    again = rejudge(saved)["banks"]
+    judgement = again[qbank.name]["judgement"]
+    expected = judge_quality(
+        qbank,
+        [StoredObservation((), m.text, (m.key,)) for m in memories[1:]],
+        [MemoryFate(f["key"], tuple(f["actions"]), None, True, f["skip_reason"]) for f in fates],
+    )
+    assert judgement == expected
+    assert judgement["skipped"] == [
+        {"key": memories[0].key, "label": memories[0].label, "reason": "said nothing new"}
+    ]
+    assert again["old-run"]["judgement"] == {"stale": 1}
