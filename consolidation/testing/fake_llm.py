@@ -135,7 +135,7 @@ class _FakeLLM:
         self._lock = threading.Lock()
         self._config = dataclasses.replace(config)
         self._rng = random.Random(config.seed)
-        # How often each request body was seen: a seeded lognormal latency is drawn per body.
+        # How often each request was asked: a seeded lognormal latency is drawn per request.
         self._bodies: Counter[bytes] = Counter()
         self._script: deque[dict[str, Any]] = deque()
         # Created in the server's loop on the first request; set from any thread by close().
@@ -295,7 +295,7 @@ class _FakeLLM:
             )
             if refusal is not None:
                 return call, refusal
-            delay_s = service_delay_s(config, self._latency_rng(config, body))
+            delay_s = service_delay_s(config, self._latency_rng(config, parsed, body))
             record["delay_s"] = delay_s
             poison = config.fail_when_contains
             if poison is not None and poison.encode() in body:
@@ -303,15 +303,20 @@ class _FakeLLM:
             answer = _Plan(delay_s=delay_s, config=config)
             return call, _next_plan(self._script, answer, config, self._rng)
 
-    def _latency_rng(self, config: FakeLLMConfig, body: bytes) -> random.Random:
+    def _latency_rng(self, config: FakeLLMConfig, parsed: _Parsed, body: bytes) -> random.Random:
         """What a call's latency is drawn from. A seeded lognormal latency is drawn from the
-        seed, the request's body and how often that body came before, not from the order of
-        arrival: two runs of one bank that schedule their calls differently (or one that sends
-        a hedge's copy) give each request the latency it had in the other, so they compare
-        call for call. Under the lock."""
+        seed, what the request asks (its bank, scope, facts and repair turns: not the
+        observations shown, whose order and wording vary with ids and timing) and how often that
+        was asked before, not from the order of arrival: two runs of one bank that schedule
+        their calls differently (or one that sends a hedge's copy) give each request the latency
+        it had in the other, so they compare call for call. Under the lock."""
         if config.latency_median_ms <= 0 or config.seed is None:
             return self._rng
-        digest = hashlib.blake2b(body, digest_size=16).digest()
+        if parsed.bank is not None and parsed.fact_texts:
+            asked = orjson.dumps([parsed.bank, parsed.scope, parsed.fact_texts, parsed.turns])
+        else:
+            asked = body
+        digest = hashlib.blake2b(asked, digest_size=16).digest()
         seen = self._bodies[digest]
         self._bodies[digest] = seen + 1
         return random.Random(f"{config.seed}:{digest.hex()}:{seen}")
