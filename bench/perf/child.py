@@ -408,6 +408,7 @@ async def run(spec: RunSpec) -> dict[str, Any]:
         "summary": end.summary.to_json(),
         "digest": digest,
         "plan": tracker.summary(latency_s, concurrency),
+        "scope_chains": tracker.scope_chains(),
         "waves": waves,
         "marker_statements_per_wave": {
             "min": min(markers, default=0),

@@ -93,6 +93,10 @@ class _Chains:
     def longest(self) -> int:
         return max(self.calls.values(), default=0)
 
+    def components(self) -> dict[str, str]:
+        """Each scope (tags joined by commas) and the scope that names its component."""
+        return {",".join(s): ",".join(self.find(s)) for s in list(self.parent)}
+
 
 class PlanTracker:
     """Plans every wave the engine fetches; memory use does not grow with the bank."""
@@ -149,6 +153,12 @@ class PlanTracker:
         )
         self.waves.append(plan)
         return plan
+
+    def scope_chains(self) -> dict[str, str]:
+        """Each scope passed, and the scope naming its chain: scopes an engine group of some wave
+        passed together run one after another there, and each scope's groups follow one another
+        across waves, so their calls form one chain."""
+        return self._chains.components()
 
     def close(self, ended: float | None = None) -> None:
         """Mark the end of the last wave (the engine's final, empty fetch)."""

@@ -4,7 +4,9 @@ The fake answers after a lognormal latency (median 1 s, p99 8 s by default: a he
 what limits the engine is what limits it with a real model: a slow call holding a slot, and a
 scope whose calls must run one after another. The bound is computed from the latencies the calls
 really had (the fake records each call's start and end): the calls' total service time over the
-concurrency, or the longest chain of one scope's calls, whichever is longer — no wave barriers.
+concurrency, or the longest chain, whichever is longer — no wave barriers. A chain is what must
+run one after another: a scope's calls, and those of the scopes an engine group passed together
+(a memory that writes several scopes links them; DESIGN §2 keeps a group's passes in order).
 Efficiency = bound / measured wall time. Two configurations: 8 group slots (the groups bind),
 and 16 group slots under ``LLM_MAX_CONCURRENT`` 8 (the process-wide cap binds); each without and
 with hedged requests (``LLM_HEDGE_QUANTILE``, :mod:`consolidation.llm.hedge`). With hedging, a
@@ -17,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,11 +45,21 @@ class Observed:
     idle_s: float  # no call in flight at all (start-up, recall and apply between calls)
 
 
-def observed(intervals: Sequence[tuple[float, float, Sequence[str]]], slots: int) -> Observed:
-    """The bound and the split of the calls' span for calls given as (start, end, scope)."""
+def observed(
+    intervals: Sequence[tuple[float, float, Sequence[str]]],
+    slots: int,
+    scope_chains: Mapping[str, str] | None = None,
+) -> Observed:
+    """The bound and the split of the calls' span for calls given as (start, end, scope).
+
+    A chain is the calls of scopes that must run one after another: those an engine group of
+    some wave passed together (``scope_chains``, each scope to the scope naming its chain, as
+    :meth:`bench.perf.plan.PlanTracker.scope_chains` gives them), else each scope alone."""
+    chain_of = scope_chains or {}
     chains: dict[str, float] = defaultdict(float)
     for start, end, scope in intervals:
-        chains[",".join(scope)] += end - start
+        key = ",".join(scope)
+        chains[chain_of.get(key, key)] += end - start
     total = sum(end - start for start, end, _ in intervals)
     scope, chain = max(chains.items(), key=lambda kv: kv[1], default=("", 0.0))
     events = sorted([(s, 1) for s, _, _ in intervals] + [(e, -1) for _, e, _ in intervals])
@@ -144,7 +156,9 @@ async def realistic(
             )
             with bench.fake(scenario) as fake:
                 record = await bench.run(scenario, fake, repeat=repeat + 1)
-            seen = observed(record.pop("call_intervals"), scenario.concurrency)
+            seen = observed(
+                record.pop("call_intervals"), scenario.concurrency, record.pop("scope_chains")
+            )
             record["observed"] = seen.__dict__
             record["efficiency_observed"] = seen.bound_s / record["wall_s"]
             runs[scenario.label].append(record)

@@ -180,6 +180,7 @@ class Bench:
             scenario.fake_args
         ):  # bench/perf/realistic.py computes its bound from the calls' own times
             record["call_intervals"] = stats.get("call_intervals", [])
+            record["scope_chains"] = result.get("scope_chains", {})
         self.log(_one_line(record))
         return record
 

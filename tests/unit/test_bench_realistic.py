@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from bench.infra import logical_calls
+from bench.perf.plan import PlanTracker
 from bench.perf.realistic import observed
 
 
@@ -62,3 +65,26 @@ def test_a_request_and_its_copy_that_both_failed_end_at_the_later_end() -> None:
         {"started": 3.0, "ended": 6.0, "status": None, "scope": ["a"], "fact_texts": ["x"]},
     ]
     assert logical_calls(calls) == [(0.0, 6.0, ["a"])]
+
+
+def test_scopes_an_engine_group_passed_together_make_one_chain() -> None:
+    # "a" and "a,x" were passed by one engine group (a memory wrote both): their calls run one
+    # after another, so the chain is 3 s, longer than the total over the slots.
+    calls = [(0.0, 1.0, ["a"]), (1.0, 2.0, ["a", "x"]), (2.0, 3.0, ["a"]), (0.0, 1.0, ["b"])]
+    alone = observed(calls, slots=2)
+    assert alone.longest_chain_s == pytest.approx(2.0)
+    linked = observed(calls, slots=2, scope_chains={"a": "a", "a,x": "a", "b": "b"})
+    assert linked.longest_chain_s == pytest.approx(3.0)
+    assert linked.longest_chain_scope == "a"
+    assert linked.bound_s == pytest.approx(3.0)
+
+
+def test_the_plan_tracker_links_the_scopes_one_group_passed() -> None:
+    tracker = PlanTracker(batch_size=2)
+    wave = [
+        SimpleNamespace(scopes=(("a",), ("a", "x")), journaled=()),
+        SimpleNamespace(scopes=(("b",),), journaled=()),
+    ]
+    tracker.add_wave(wave)
+    chains = tracker.scope_chains()
+    assert chains["a"] == chains["a,x"] != chains["b"]
