@@ -135,7 +135,6 @@ def decide_chat(
         {
             "ref": q.fact.ref,
             "text": q.fact.text,
-            "occurred_at": q.fact.at,
             "candidates": [{"ref": c.ref, "text": c.text} for c in q.candidates],
         }
         for q in questions
@@ -176,7 +175,7 @@ def confirm_chat(
     """The confirm request: is ``fact`` about the same subject as ``candidate``, yes or no."""
     payload = _head(bank, scope, mission, CONFIRM)
     payload["observation"] = {"text": candidate.text}
-    payload["fact"] = {"text": fact.text, "occurred_at": fact.at}
+    payload["fact"] = {"text": fact.text}
     return Chat(
         system=CONFIRM_PROMPT,
         user=orjson.dumps(payload).decode(),
