@@ -131,6 +131,8 @@ def decide_chat(
 ) -> Chat:
     """The decide request for ``questions``: each fact's answer pinned to its own choices."""
     payload = _head(bank, scope, mission, DECIDE)
+    # No dates, here or in a confirm: the question is about subjects, the candidates carry none,
+    # and an ISO timestamp is some 25 tokens (the tokenizer splits digits) in every call.
     payload["facts"] = [
         {
             "ref": q.fact.ref,
