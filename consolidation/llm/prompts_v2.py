@@ -131,11 +131,12 @@ def decide_chat(
 ) -> Chat:
     """The decide request for ``questions``: each fact's answer pinned to its own choices."""
     payload = _head(bank, scope, mission, DECIDE)
+    # No dates, here or in a confirm: the question is about subjects, the candidates carry none,
+    # and an ISO timestamp is some 25 tokens (the tokenizer splits digits) in every call.
     payload["facts"] = [
         {
             "ref": q.fact.ref,
             "text": q.fact.text,
-            "occurred_at": q.fact.at,
             "candidates": [{"ref": c.ref, "text": c.text} for c in q.candidates],
         }
         for q in questions
@@ -176,7 +177,7 @@ def confirm_chat(
     """The confirm request: is ``fact`` about the same subject as ``candidate``, yes or no."""
     payload = _head(bank, scope, mission, CONFIRM)
     payload["observation"] = {"text": candidate.text}
-    payload["fact"] = {"text": fact.text, "occurred_at": fact.at}
+    payload["fact"] = {"text": fact.text}
     return Chat(
         system=CONFIRM_PROMPT,
         user=orjson.dumps(payload).decode(),

@@ -59,6 +59,17 @@ def test_the_decide_schema_pins_each_fact_to_new_or_its_own_candidates() -> None
     assert [c["ref"] for c in user["facts"][0]["candidates"]] == ["o1"]
 
 
+def test_decide_and_confirm_requests_show_no_dates_and_rewrites_do() -> None:
+    fact = Shown("f2", "Anna moved to Munich.", "2026-03-01T09:00:00Z")
+    observation = Shown("o1", "Anna lives in Berlin.", "2026-01-01T09:00:00Z")
+    decide = decide_chat("b", ("x",), None, [Question(fact, (observation,))])
+    confirm = confirm_chat("b", ("x",), None, fact, observation)
+    rewrite = rewrite_chat("b", ("x",), None, observation, [fact])
+    assert "2026" not in decide.user
+    assert "2026" not in confirm.user
+    assert orjson.loads(rewrite.user)["facts"][0]["occurred_at"] == "2026-03-01T09:00:00Z"
+
+
 def test_an_answer_outside_a_facts_choices_is_unusable() -> None:
     question = Question(Shown("f2", "Anna moved."), (Shown("o1", "Anna lives in Berlin."),))
     assert parse_decisions('{"f2": "update:o1"}', [question]) == {"f2": Decision("update", "o1")}
