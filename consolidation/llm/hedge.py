@@ -89,17 +89,24 @@ class Hedging:
         first: Awaitable[R],
         copy: Callable[[], Awaitable[Awaitable[R] | None]],
         usable: Callable[[R], bool],
+        sent: asyncio.Future[None] | None = None,
     ) -> tuple[R, int]:
         """``first``'s result, or that of the copy ``copy()`` starts once ``first`` has gone
         unanswered for :meth:`delay` (``await copy()`` is None when there is no spare slot):
         whichever is usable first, ``first`` on a tie. When neither is, ``first``'s result or
         error stands. Returns the result and the number of requests sent (1 or 2). The request
-        that lost is aborted, and so is every request when the caller is cancelled."""
+        that lost is aborted, and so is every request when the caller is cancelled.
+
+        ``sent``, when given, resolves once ``first`` holds its slot and its request is on its
+        way: the delay runs from then, not from a wait for a slot at a busy cap."""
         primary: asyncio.Future[R] = asyncio.ensure_future(first)
         racing: list[asyncio.Future[R]] = [primary]
         try:
             delay = self.delay()
-            if delay is not None:
+            if delay is not None and sent is not None:
+                waits: set[asyncio.Future[Any]] = {primary, sent}
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            if delay is not None and not primary.done():
                 await asyncio.wait({primary}, timeout=delay)
             if primary.done() or delay is None:
                 return await primary, 1

@@ -462,10 +462,12 @@ class Endpoint:
         hedging = self._hedging
         if hedging is None:
             return await self._request(body, budget)
+        sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         reply, copies = await hedging.race(
-            self._request(body, budget),
+            self._request(body, budget, sent),
             lambda: self._copy(body, budget),
             lambda reply: reply.status < 500 and reply.status not in RETRYABLE_STATUSES,
+            sent,
         )
         return reply if copies == 1 else dataclasses.replace(reply, copies=copies)
 
@@ -477,10 +479,14 @@ class Endpoint:
         await self._semaphore.acquire()  # a free slot: taken at once, without waiting
         return self._held(body, budget)
 
-    async def _request(self, body: bytes, budget: Budget) -> Reply:
+    async def _request(
+        self, body: bytes, budget: Budget, sent: asyncio.Future[None] | None = None
+    ) -> Reply:
         if self._semaphore.locked() and self._hedging is not None:
             self._hedging.preempt()  # a copy's slot is a first request's first
         await self._semaphore.acquire()
+        if sent is not None and not sent.done():
+            sent.set_result(None)  # a hedge's delay runs from here
         return await self._held(body, budget)
 
     async def _held(self, body: bytes, budget: Budget) -> Reply:

@@ -133,3 +133,36 @@ async def test_cancelling_the_caller_aborts_both_requests(make_client: Any) -> N
             await call
         await wait_for(lambda: fake.stats()["aborted"] == 2, what="both requests aborted")
         assert fake.stats()["in_flight"] == 0
+
+
+async def test_the_delay_runs_from_when_the_request_holds_its_slot() -> None:
+    # A request that waited at a busy cap longer than the delay is still hedged once it is
+    # sent, and not before: its copy is asked for only after it holds its slot.
+    hedging = Hedging(0.5, min_samples=1)
+    hedging.observe(0.01)
+    loop = asyncio.get_running_loop()
+    slot, sent, answer = asyncio.Event(), loop.create_future(), loop.create_future()
+    copies_asked: list[bool] = []
+
+    async def first() -> str:
+        await slot.wait()
+        sent.set_result(None)
+        return await answer
+
+    async def copy() -> Any:
+        copies_asked.append(sent.done())
+
+        async def quick() -> str:
+            return "copy"
+
+        return quick()
+
+    race = asyncio.ensure_future(hedging.race(first(), copy, lambda _: True, sent))
+    # Twenty delays spent waiting for a slot: no copy yet.
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(asyncio.shield(race), timeout=0.2)
+    assert copies_asked == []
+    slot.set()
+    assert await race == ("copy", 2)
+    assert copies_asked == [True]
+    answer.cancel()
