@@ -278,8 +278,9 @@ def stronger(found: Candidates, ref: str, decision: Decision) -> Decision | None
     when exactly one other candidate shares :data:`STRONG_LINK` telling words, the same kind of
     decision on that one ("The Atlas launch has been postponed" as an update of the budget, with
     the launch's observation beside it; "Leo quit football" as an update of Leo's allergy, with
-    his football club beside it). Else an update that announces a change of something the
-    candidate names stands ("I moved from Paris to Berlin" of "I live in Paris")."""
+    his football club beside it). Else an update that announces a change stands when the
+    candidate names something of it ("I moved from Paris to Berlin" of "I live in Paris") or is
+    its nearest candidate by cosine ("I started a new job at Globex" of "I work at Acme")."""
     assert decision.target is not None
     question = found.question(ref)
     others = [
@@ -291,11 +292,20 @@ def stronger(found: Candidates, ref: str, decision: Decision) -> Decision | None
         return Decision(decision.kind, others[0])
     if (
         decision.kind == UPDATE
-        and _shared(found, ref, decision.target) >= 1
         and announces_change(question.fact.text)
+        and (_shared(found, ref, decision.target) >= 1 or decision.target == _nearest(found, ref))
     ):
         return decision
     return None
+
+
+def _nearest(found: Candidates, ref: str) -> str | None:
+    """The fact's nearest candidate by cosine; None without embeddings."""
+    if ref not in found.by_cosine:
+        return None
+    question = found.question(ref)
+    scored = [(found.nearness.get((ref, c.ref), 0.0), c.ref) for c in question.candidates]
+    return max(scored)[1] if scored else None
 
 
 def local_decisions(found: Candidates, options: NarrowOptions) -> dict[str, Decision]:
