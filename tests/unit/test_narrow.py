@@ -372,3 +372,29 @@ def test_a_doubtful_decision_moves_to_the_one_candidate_that_shares_enough() -> 
     assert narrow.unlinked(found, {"f1": wrong}) == ["f1"]
     assert narrow.stronger(found, "f1", wrong) == Decision("update", "o2")
     assert narrow.unlinked(found, {"f1": Decision("update", "o2")}) == []
+
+
+def test_an_announced_change_stands_on_its_nearest_candidate_by_cosine() -> None:
+    # "A new job at Globex" shares no word with "I work as an accountant at Acme": by cosine
+    # the Acme observation is its nearest candidate, and the change announced stands there;
+    # pointed at a farther candidate, or with no change announced, it is asked again.
+    given = inputs(
+        ["I started a new job as a data analyst at Globex.", "I work as a data analyst."],
+        ["I work as an accountant at Acme Corp.", "I run along the river on Sundays."],
+    )
+    vectors = {
+        "I started a new job as a data analyst at Globex.": [1.0, 0.2, 0.0],
+        "I work as a data analyst.": [0.9, 0.2, 0.3],
+        "I work as an accountant at Acme Corp.": [0.8, 0.6, 0.0],
+        "I run along the river on Sundays.": [0.6, 0.0, 0.8],
+    }
+    found = narrow.pick_candidates(given, vectors, narrow.NarrowOptions(cosine_floor=0.0))
+    job = found.question("f1")
+    assert {c.ref for c in job.candidates} >= {"o1", "o2"}
+    assert found.shared["f1", "o1"] == 0
+    assert narrow.stronger(found, "f1", Decision("update", "o1")) == Decision("update", "o1")
+    assert narrow.stronger(found, "f1", Decision("update", "o2")) is None
+    assert narrow.stronger(found, "f1", Decision("same", "o1")) is None
+    # Without embeddings the nearness is lexical: nothing shared, nothing stands.
+    lexical = narrow.pick_candidates(given, None, narrow.NarrowOptions(lexical_floor=0.0))
+    assert narrow.stronger(lexical, "f1", Decision("update", "o1")) is None
