@@ -103,12 +103,13 @@ class Hedging:
         racing: list[asyncio.Future[R]] = [primary]
         try:
             delay = self.delay()
-            if delay is not None and sent is not None:
+            if delay is None:
+                return await primary, 1
+            if sent is not None:
                 waits: set[asyncio.Future[Any]] = {primary, sent}
                 await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            if delay is not None and not primary.done():
-                await asyncio.wait({primary}, timeout=delay)
-            if primary.done() or delay is None:
+            await asyncio.wait({primary}, timeout=delay)
+            if primary.done():
                 return await primary, 1
             second = await copy()
             if second is None:

@@ -293,17 +293,20 @@ def stronger(found: Candidates, ref: str, decision: Decision) -> Decision | None
     if (
         decision.kind == UPDATE
         and announces_change(question.fact.text)
-        and (_shared(found, ref, decision.target) >= 1 or decision.target == _nearest(found, ref))
+        and (
+            _shared(found, ref, decision.target) >= 1
+            or decision.target == _nearest(found, question)
+        )
     ):
         return decision
     return None
 
 
-def _nearest(found: Candidates, ref: str) -> str | None:
+def _nearest(found: Candidates, question: Question) -> str | None:
     """The fact's nearest candidate by cosine; None without embeddings."""
+    ref = question.fact.ref
     if ref not in found.by_cosine:
         return None
-    question = found.question(ref)
     scored = [(found.nearness.get((ref, c.ref), 0.0), c.ref) for c in question.candidates]
     return max(scored)[1] if scored else None
 

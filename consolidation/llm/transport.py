@@ -265,6 +265,11 @@ def excerpt(text: str) -> str:
     return text
 
 
+def _retryable(status: int) -> bool:
+    """Whether a response with ``status`` is worth a retry (and leaves a hedge's race open)."""
+    return status in RETRYABLE_STATUSES or status >= 500
+
+
 class Endpoint:
     """``POST {base_url}/{route.path}`` of an OpenAI-compatible server, with retries.
 
@@ -466,7 +471,7 @@ class Endpoint:
         reply, copies = await hedging.race(
             self._request(body, budget, sent),
             lambda: self._copy(body, budget),
-            lambda reply: reply.status < 500 and reply.status not in RETRYABLE_STATUSES,
+            lambda reply: not _retryable(reply.status),
             sent,
         )
         return reply if copies == 1 else dataclasses.replace(reply, copies=copies)
@@ -553,7 +558,7 @@ class Endpoint:
         408/425/429/5xx (with its Retry-After), ``config_error`` for 401/403/404/405 and
         redirects. Other statuses are the client's to read."""
         status = reply.status
-        if status in RETRYABLE_STATUSES or status >= 500:
+        if _retryable(status):
             raise Retryable(
                 f"HTTP {reply.what}",
                 status=status,

@@ -136,7 +136,7 @@ class _FakeLLM:
         self._config = dataclasses.replace(config)
         self._rng = random.Random(config.seed)
         # How often each request was asked: a seeded lognormal latency is drawn per request.
-        self._bodies: Counter[bytes] = Counter()
+        self._asked: Counter[bytes] = Counter()
         self._script: deque[dict[str, Any]] = deque()
         # Created in the server's loop on the first request; set from any thread by close().
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -215,14 +215,14 @@ class _FakeLLM:
             self._config = dataclasses.replace(self._config, **changes)
             if "seed" in changes:
                 self._rng.seed(changes["seed"])
-                self._bodies.clear()
+                self._asked.clear()
             self._script.extend(script)
 
     def reset(self) -> None:
         """Zero the stats and drop queued script items; the config is kept."""
         with self._lock:
             self._script.clear()
-            self._bodies.clear()
+            self._asked.clear()
             self._clear_stats()
         self.embeddings.reset()
 
@@ -317,8 +317,8 @@ class _FakeLLM:
         else:
             asked = body
         digest = hashlib.blake2b(asked, digest_size=16).digest()
-        seen = self._bodies[digest]
-        self._bodies[digest] = seen + 1
+        seen = self._asked[digest]
+        self._asked[digest] = seen + 1
         return random.Random(f"{config.seed}:{digest.hex()}:{seen}")
 
     def _finish(self, call: _Call, status: int | None) -> None:
