@@ -296,10 +296,10 @@ async def pgvector_server(admin_url: str, log: Any = print) -> AsyncIterator[str
     if available:
         yield admin_url
         return
-    import pgserver
+    from pgserver.postgres_server import get_server
 
     with tempfile.TemporaryDirectory(prefix="bench-pgvector-") as tmp:
-        server = pgserver.get_server(tmp, cleanup_mode="stop")
+        server = get_server(tmp, cleanup_mode="stop")
         log("  no pgvector on BENCH_DATABASE_URL's server: using the embedded Postgres")
         try:
             yield server.get_uri()

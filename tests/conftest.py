@@ -95,10 +95,10 @@ def pg_admin_url() -> Iterator[str]:
         with PostgresContainer(CONTAINER_IMAGE, driver=None) as container:
             yield container.get_connection_url()
         return
-    import pgserver
+    from pgserver.postgres_server import get_server
 
     with tempfile.TemporaryDirectory(prefix="consolidation-tests-") as tmp:
-        server = pgserver.get_server(tmp, cleanup_mode="stop")
+        server = get_server(tmp, cleanup_mode="stop")
         yield server.get_uri()
         server.cleanup()
 
@@ -179,10 +179,10 @@ def vector_admin_url(pg_admin_url: str) -> Iterator[str]:
     if asyncio.run(_has_pgvector(pg_admin_url)):
         yield pg_admin_url
         return
-    import pgserver
+    from pgserver.postgres_server import get_server
 
     with tempfile.TemporaryDirectory(prefix="consolidation-vector-tests-") as tmp:
-        server = pgserver.get_server(tmp, cleanup_mode="stop")
+        server = get_server(tmp, cleanup_mode="stop")
         print(f"\n[tests] pgvector server: embedded Postgres in {tmp}")
         try:
             yield server.get_uri()

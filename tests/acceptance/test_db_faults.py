@@ -108,14 +108,15 @@ class PrivatePostgres:
     """An embedded Postgres in a temporary directory, stoppable and restartable in place."""
 
     def __init__(self) -> None:
-        import pgserver
+        from pgserver.postgres_server import get_server
 
         self.dir = Path(tempfile.mkdtemp(prefix="consolidation-pg-"))
-        self.server = pgserver.get_server(self.dir, cleanup_mode="delete")
+        self.server = get_server(self.dir, cleanup_mode="delete")
         self.url: str = self.server.get_uri()
 
     def stop(self, mode: str) -> None:
-        from pgserver._commands import pg_ctl
+        # pgserver makes one function per program in its bin/ when imported: none is declared.
+        from pgserver._commands import pg_ctl  # type: ignore[attr-defined]
 
         pg_ctl(["-w", "-m", mode, "stop"], pgdata=self.server.pgdata, user=self.server.system_user)
 
