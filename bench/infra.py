@@ -253,16 +253,16 @@ def logical_calls(calls: list[dict[str, Any]]) -> list[tuple[float, float, list[
         by_request[(tuple(call["scope"]), tuple(call.get("fact_texts", ())))].append(call)
     for group in by_request.values():
         overlapping: list[dict[str, Any]] = []
-        for call in [*group, None]:
+        for next_call in [*group, None]:
             if overlapping and (
-                call is None or call["started"] >= max(c["ended"] for c in overlapping)
+                next_call is None or next_call["started"] >= max(c["ended"] for c in overlapping)
             ):
                 answered = [c["ended"] for c in overlapping if c.get("status") == 200]
                 end = min(answered) if answered else max(c["ended"] for c in overlapping)
                 merged.append((overlapping[0]["started"], end, overlapping[0]["scope"]))
                 overlapping = []
-            if call is not None:
-                overlapping.append(call)
+            if next_call is not None:
+                overlapping.append(next_call)
     return sorted(merged)
 
 

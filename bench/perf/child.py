@@ -221,15 +221,16 @@ class _CallbackTimer:
     def __enter__(self) -> _CallbackTimer:
         timer, original = self, self._original
 
-        def _run(handle: asyncio.events.Handle) -> None:
-            resumed = _where(handle)
+        # Named as in the method it stands in for, so its signature matches Handle._run's.
+        def _run(self: asyncio.events.Handle) -> None:
+            resumed = _where(self)
             started = time.perf_counter()
             try:
-                original(handle)
+                original(self)
             finally:
                 elapsed = time.perf_counter() - started
                 if elapsed > 0.005:
-                    timer._record(elapsed, f"{resumed} -> {_where(handle)}")
+                    timer._record(elapsed, f"{resumed} -> {_where(self)}")
 
         asyncio.events.Handle._run = _run  # type: ignore[method-assign]
         return self

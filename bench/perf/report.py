@@ -325,7 +325,7 @@ def _scenario_rows(results: dict[str, Any]) -> list[tuple[str, dict[str, Any], d
     rows = []
     eff = results.get("efficiency")
     if eff:
-        first = {}
+        first: dict[str, dict[str, Any]] = {}
         for run in eff["runs"]:
             first.setdefault(run["label"], run)
         rows.append(("efficiency, P8, 100 ms", eff["p8"], first["efficiency-p8"]))
@@ -381,7 +381,7 @@ def render_markdown(results: dict[str, Any]) -> str:
             else (run["lag_ms"]["p50_ms"], run["lag_ms"]["p99_ms"], run["lag_ms"]["max_ms"])
         )
         latency = run["scenario"]["latency_ms"]
-        eff = (
+        efficiency = (
             f"{s.get('efficiency_per_wave', run['efficiency_per_wave']):.3f} "
             f"({s.get('efficiency_no_barrier', run['efficiency_no_barrier']):.3f})"
             if latency
@@ -391,7 +391,7 @@ def render_markdown(results: dict[str, Any]) -> str:
         lines.append(
             f"| {name} | {len(walls)} | {', '.join(f'{w:.2f}' for w in walls)} "
             f"| {s.get('memories_per_s', run['memories_per_s']):,.0f} | {run['llm_calls']} "
-            f"| {run['ideal_per_wave_s']:.2f} | {run['ideal_no_barrier_s']:.2f} | {eff} "
+            f"| {run['ideal_per_wave_s']:.2f} | {run['ideal_no_barrier_s']:.2f} | {efficiency} "
             f"| {lag_ms[0]:.1f} / {lag_ms[1]:.1f} / {lag_ms[2]:.1f} "
             f"| {s.get('peak_rss_mb', run['peak_rss_mb']):.0f} "
             f"| {cpu['engine']:.2f} / {cpu['postgres']:.2f} / {cpu['fake_llm']:.2f} "

@@ -92,7 +92,8 @@ class Scenario:
 def _cores_busy(record: dict[str, Any]) -> float:
     """Cores an engine run kept busy on average: the CPU of the engine, its Postgres backends
     and the fake LLM over the wall time."""
-    return sum(record["cpu_ms_per_memory"].values()) * record["memories_per_s"] / 1000
+    cores: float = sum(record["cpu_ms_per_memory"].values()) * record["memories_per_s"] / 1000
+    return cores
 
 
 def _median(values: Sequence[float]) -> float:

@@ -146,12 +146,13 @@ def answer_v2(book: LabelBook, request: ChatRequest) -> dict[str, Any]:
         decision = "new"
         for candidate in sorted(fact.get("candidates") or [], key=lambda c: c["ref"][0] != "o"):
             ref, text = candidate["ref"], candidate["text"]
-            labels = (
+            # A fact the book does not know has the label None, which matches no fact's label.
+            candidate_labels: frozenset[str | None] = (
                 book.observation_labels(bank, text)
                 if ref.startswith("o")
                 else frozenset({book.fact_label(bank, text)})
             )
-            if label is not None and labels == {label}:
+            if label is not None and candidate_labels == {label}:
                 decision = f"{_same_or_update(fact['text'], text)}:{ref}"
                 break
         decisions[fact["ref"]] = decision

@@ -18,7 +18,7 @@ import threading
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 import orjson
@@ -37,6 +37,14 @@ REFERENCE_SENTENCES = (
     "He drove to the stadium.",
 )
 REFERENCE_SIMILARITIES = {(0, 1): 0.6660, (0, 2): 0.1046, (1, 2): 0.1411}
+
+
+class PairCheck(TypedDict):
+    """One reference pair in :func:`check`: the published similarity and the model's."""
+
+    pair: list[int]
+    expected: float
+    got: float
 
 
 class MissingModel(RuntimeError):
@@ -70,7 +78,8 @@ def _gelu(x: np.ndarray) -> np.ndarray:
 def _layer_norm(x: np.ndarray, weight: np.ndarray, bias: np.ndarray) -> np.ndarray:
     mean = x.mean(axis=-1, keepdims=True)
     var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
-    return (x - mean) / np.sqrt(var + EPS) * weight + bias
+    out: np.ndarray = (x - mean) / np.sqrt(var + EPS) * weight + bias
+    return out
 
 
 class MiniLM:
@@ -167,7 +176,7 @@ def check(model: MiniLM | None = None) -> dict[str, Any]:
     """The model's similarities of the reference sentences against the published ones."""
     model = model or MiniLM()
     vectors = model.encode(REFERENCE_SENTENCES)
-    rows = []
+    rows: list[PairCheck] = []
     for (a, b), expected in REFERENCE_SIMILARITIES.items():
         got = float(vectors[a] @ vectors[b])
         rows.append({"pair": [a, b], "expected": expected, "got": round(got, 4)})
@@ -230,7 +239,7 @@ class ModelServer:
     def __init__(self, model: MiniLM | None = None) -> None:
         import uvicorn
 
-        from consolidation.service import listen_socket
+        from consolidation.net import listen_socket
 
         self._socket = listen_socket("127.0.0.1", 0)
         host, port = self._socket.getsockname()[:2]

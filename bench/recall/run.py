@@ -151,10 +151,10 @@ async def _measure(
                             twin_at = recalled.index(case["twin"])
                             decoy_first.append(any(d in recalled[:twin_at] for d in case["decoys"]))
                 key = f"batch{batch}"
-                for kind, hits in found.items():
+                for kind, outcomes in found.items():
                     results.setdefault(key, {}).setdefault(kind, {}).setdefault(mode, {})[
                         f"recall_at_{k}"
-                    ] = sum(hits) / len(hits)
+                    ] = sum(outcomes) / len(outcomes)
                 if decoy_first:
                     results[key]["hard_negative"][mode][f"decoy_above_twin_at_{k}"] = sum(
                         decoy_first
@@ -284,14 +284,16 @@ def render(results: dict[str, Any]) -> str:
     for batch in BATCHES:
         for key in sorted({k.rsplit("_at", 1)[0] for k in sweep if k.startswith(f"batch{batch}_")}):
             _, how, rrf, weight = key.split("_")
-            cells = []
+            fusion_cells = []
             for limit in KS:
                 row = sweep[f"{key}_at{limit}"]
-                cells.append(
+                fusion_cells.append(
                     f"{row['paraphrase']:.3f} / {row['lexical']:.3f} / {row['hard_negative']:.3f}"
                 )
             lines.append(
-                f"| {batch} | {how}, k={rrf[3:]}, w={weight[1:]} | " + " | ".join(cells) + " |"
+                f"| {batch} | {how}, k={rrf[3:]}, w={weight[1:]} | "
+                + " | ".join(fusion_cells)
+                + " |"
             )
     t = results["recall_ms_per_pass"]
     lines.append("")
