@@ -13,6 +13,7 @@ import contextlib
 import signal
 import tempfile
 from collections.abc import AsyncIterator, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +58,11 @@ WHERE datname = current_database() AND pid <> pg_backend_pid()
 """
 
 
+def answered_or_exited(fake: FakeLLMServer, process: ServiceProcess, passes: int) -> bool:
+    """Whether the fake has answered ``passes`` passes, or ``process`` has exited meanwhile."""
+    return fake.stats()["completed"] >= passes or process.proc.poll() is not None
+
+
 async def test_a_worker_whose_sessions_are_terminated_mid_operation_finishes_it_exactly_once(
     pool: asyncpg.Pool, fake: FakeLLMServer, serve: Serve
 ) -> None:
@@ -66,7 +72,7 @@ async def test_a_worker_whose_sessions_are_terminated_mid_operation_finishes_it_
     terminated = 0
     for answered in (3, 8, 13):
         await wait_for(
-            lambda n=answered: fake.stats()["completed"] >= n or worker.proc.poll() is not None,
+            partial(answered_or_exited, fake, worker, answered),
             what=f"{answered} passes to be answered",
         )
         terminated += await pool.fetchval(TERMINATE_WORKER_SESSIONS)
@@ -196,9 +202,7 @@ async def restart_postgres_twice_and_recover(
         # Down twice: a clean fast shutdown, then a crash (immediate: WAL recovery on start).
         for answered, mode in ((3, "fast"), (9, "immediate")):
             await wait_for(
-                lambda n=answered: (
-                    fake.stats()["completed"] >= n or service.proc.poll() is not None
-                ),
+                partial(answered_or_exited, fake, service, answered),
                 what=f"{answered} passes to be answered",
             )
             private_pg.stop(mode)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+from functools import partial
 from typing import Any
 
 import asyncpg
@@ -143,15 +144,16 @@ async def test_sessions_terminated_during_every_stage_of_a_pass_never_duplicate_
 
     journal = "SELECT count(*) FROM consolidation_outcomes"
 
+    async def grew_or_done(done: asyncio.Event, than: int) -> bool:
+        return done.is_set() or await grew(pool, journal, than)
+
     async def killer(done: asyncio.Event) -> None:
         nonlocal killed
         while not done.is_set():
             # Each round lets at least one more pass through (whatever the engine asked the
             # LLM meanwhile), then kills.
             applied = await pool.fetchval(journal)
-            await wait_for(
-                lambda n=applied: done.is_set() or grew(pool, journal, n), what="a pass applied"
-            )
+            await wait_for(partial(grew_or_done, done, applied), what="a pass applied")
             if killed % 2:
                 # Wherever the engine happens to be (often idle between statements).
                 killed += 1
@@ -160,7 +162,7 @@ async def test_sessions_terminated_during_every_stage_of_a_pass_never_duplicate_
             killed += 1
             await terminate_mid_apply(pool, "engine-under-test", done)
 
-    attempts = []
+    attempts: list[str] = []
     errors: list[str] = []
     try:
         done = asyncio.Event()
@@ -302,7 +304,7 @@ async def test_the_worker_loop_survives_a_broken_connection_error_during_a_claim
     faulty = FaultyPool(pool, "FOR UPDATE SKIP LOCKED", BROKEN_CONNECTION_ERRORS[0])
     llm = http_llm(fake.url)
     shutdown = asyncio.Event()
-    worker = Worker(settings, faulty, database_url, llm, worker_id="w")  # type: ignore[arg-type]
+    worker = Worker(settings, faulty, database_url, llm, worker_id="w")
     task = asyncio.create_task(worker.run(shutdown))
     try:
 
@@ -330,7 +332,7 @@ async def heartbeat_fault_keeps_the_lease(
     faulty = FaultyPool(pool, "lease_expires_at = now()", error)
     llm = http_llm(fake.url)
     config = Settings(llm_batch_size=2, lease_s=lease_s)
-    run = asyncio.create_task(run_operation(faulty, lease, llm, config))  # type: ignore[arg-type]
+    run = asyncio.create_task(run_operation(faulty, lease, llm, config))
     taken_over = None
     try:
         while not run.done() and taken_over is None:
@@ -398,16 +400,17 @@ async def test_outages_past_the_lease_spend_no_attempt_and_the_log_says_what_hap
             with structlog.testing.capture_logs() as logs:
                 for outage in (1, 2):
                     applied = await pool.fetchval(journal)
-                    await wait_for(lambda n=applied: grew(pool, journal, n), what="a pass")
+                    await wait_for(partial(grew, pool, journal, applied), what="a pass")
                     proxy.sever()
                     await wait_for(lambda: not worker.slots, what="the attempt to give up")
                     proxy.restore()
                     await wait_for(
-                        lambda n=outage: pool.fetchval(
+                        partial(
+                            pool.fetchval,
                             "SELECT reclaims = $2 AND status = 'running' FROM operations "
                             "WHERE id = $1",
                             op.id,
-                            n,
+                            outage,
                         ),
                         what=f"the takeover after outage {outage}",
                     )
