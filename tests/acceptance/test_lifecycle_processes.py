@@ -5,6 +5,7 @@ an operation that failed while the LLM was down is swept again, so the bank drai
 from __future__ import annotations
 
 import signal
+from typing import Any
 
 import asyncpg
 import pytest
@@ -25,7 +26,7 @@ SECRET = "zebraquartz"
 async def test_a_forget_killed_half_way_is_finished_by_another_worker_and_leaves_no_trace(
     pool: asyncpg.Pool, database_url: str, fake: FakeLLMServer, serve: Serve
 ) -> None:
-    memories = [
+    memories: list[dict[str, Any]] = [
         {"text": f"Person{t} drinks green tea every morning, note {i}", "tags": [f"topic-{t}"]}
         for t in range(6)
         for i in range(3)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from typing import Any
 
 import asyncpg
 import pytest
@@ -213,7 +214,7 @@ async def test_a_forget_cannot_be_cancelled(pool: asyncpg.Pool) -> None:
 async def test_a_forget_asked_while_a_consolidation_runs_waits_for_it_and_leaves_no_trace(
     pool: asyncpg.Pool, fake: FakeLLMServer
 ) -> None:
-    memories = [
+    memories: list[dict[str, Any]] = [
         {"text": f"Person{t} drinks green tea every morning, note {i}", "tags": [f"topic-{t}"]}
         for t in range(3)
         for i in range(4)
@@ -254,7 +255,7 @@ async def test_a_forget_asked_while_a_consolidation_runs_waits_for_it_and_leaves
 async def test_a_forget_that_fails_half_way_is_redone_from_the_database_without_duplicates(
     pool: asyncpg.Pool, fake: FakeLLMServer
 ) -> None:
-    memories = [
+    memories: list[dict[str, Any]] = [
         {"text": f"Person{t} drinks green tea every morning, note {i}", "tags": [f"topic-{t}"]}
         for t in range(3)
         for i in range(3)

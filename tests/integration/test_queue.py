@@ -213,10 +213,10 @@ async def test_a_worker_frozen_inside_a_transaction_is_fenced_so_its_work_can_be
 
 
 async def _waiting_for_a_lock(pool: asyncpg.Pool, pid: int) -> bool:
-    return (
-        await pool.fetchval("SELECT wait_event_type FROM pg_stat_activity WHERE pid = $1", pid)
-        == "Lock"
+    waiting_on: str | None = await pool.fetchval(
+        "SELECT wait_event_type FROM pg_stat_activity WHERE pid = $1", pid
     )
+    return waiting_on == "Lock"
 
 
 async def test_a_heartbeat_and_a_progress_report_at_once_never_deadlock(
@@ -242,6 +242,7 @@ async def test_a_heartbeat_and_a_progress_report_at_once_never_deadlock(
         # The reader's transaction is over: both writes go through, one after the other.
         async with asyncio.timeout(30):
             done = await asyncio.gather(progress, beat, return_exceptions=True)
-    assert done == [False, False]
+    # gather gives a list (typeshed says a tuple).
+    assert list(done) == [False, False]
     op = await queue.get_operation(pool, lease.operation_id)
     assert op.status == "running" and op.progress == {"done": 1}

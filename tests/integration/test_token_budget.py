@@ -32,9 +32,10 @@ async def operation(pool: asyncpg.Pool, operation_id: Any) -> asyncpg.Record:
 
 
 async def usage_rows(pool: asyncpg.Pool, bank: str) -> list[asyncpg.Record]:
-    return await pool.fetch(
+    rows: list[asyncpg.Record] = await pool.fetch(
         "SELECT tokens, used_at FROM bank_token_usage WHERE bank_id = $1 ORDER BY used_at", bank
     )
+    return rows
 
 
 async def back_date(pool: asyncpg.Pool, bank: str, *rows: tuple[int, dt.timedelta]) -> None:
@@ -204,17 +205,18 @@ async def test_the_token_budget_routes_answer_the_budget_its_source_usage_and_re
 async def test_the_token_budget_route_refuses_bad_bodies_with_json_4xx(
     make_client: ClientFactory,
 ) -> None:
+    bad_bodies: tuple[dict[str, object] | list[object], ...] = (
+        {"tokens_per_24h": -1},
+        {"tokens_per_24h": "100"},
+        {"tokens_per_24h": 1.5},
+        {"tokens_per_24h": True},
+        {"tokens_per_24h": 10**16},
+        {},
+        {"tokens_per_24h": 5, "other": 1},
+        [],
+    )
     async with make_client() as client:
-        for body in (
-            {"tokens_per_24h": -1},
-            {"tokens_per_24h": "100"},
-            {"tokens_per_24h": 1.5},
-            {"tokens_per_24h": True},
-            {"tokens_per_24h": 10**16},
-            {},
-            {"tokens_per_24h": 5, "other": 1},
-            [],
-        ):
+        for body in bad_bodies:
             response = await client.put("/v1/banks/b/token-budget", json=body)
             assert response.status_code == 422, (body, response.text)
             assert set(response.json()["error"]) >= {"code", "message"}

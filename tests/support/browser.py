@@ -49,7 +49,7 @@ OFFLINE = ("--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE localhost, EXCLUDE 12
 @contextmanager
 def chromium(
     user_data_dir: Path, *, flags: Sequence[str] = (), network_log: bool = False
-) -> Iterator[WebDriver]:
+) -> Iterator[webdriver.Chrome]:
     """A fresh browser profile in ``user_data_dir``; quits the browser at the end. ``flags`` are
     added to FLAGS; ``network_log`` records every request for ``requested_urls``."""
     missing = [p for p in (CHROMIUM, CHROMEDRIVER) if not shutil.which(p)]
@@ -77,12 +77,14 @@ def chromium(
         driver.quit()
 
 
-def requested_urls(driver: WebDriver) -> list[str]:
+def requested_urls(driver: webdriver.Chrome) -> list[str]:
     """The URLs the browser sent requests to since the last call (``network_log=True``); a
     request the browser itself blocked (a Content-Security-Policy) never left it, so is not one."""
     sent: dict[str, str] = {}
     blocked: set[str] = set()
-    for entry in driver.get_log("performance"):
+    # Selenium leaves Chrome's get_log unannotated.
+    entries = driver.get_log("performance")  # type: ignore[no-untyped-call]
+    for entry in entries:
         message = json.loads(entry["message"])["message"]
         params = message["params"]
         if message["method"] == "Network.requestWillBeSent":

@@ -141,7 +141,9 @@ async def test_the_delay_runs_from_when_the_request_holds_its_slot() -> None:
     hedging = Hedging(0.5, min_samples=1)
     hedging.observe(0.01)
     loop = asyncio.get_running_loop()
-    slot, sent, answer = asyncio.Event(), loop.create_future(), loop.create_future()
+    slot = asyncio.Event()
+    sent: asyncio.Future[None] = loop.create_future()
+    answer: asyncio.Future[str] = loop.create_future()
     copies_asked: list[bool] = []
 
     async def first() -> str:

@@ -369,7 +369,12 @@ def test_a_facts_action_is_the_one_action_citing_it_or_multiple_or_skipped() -> 
 def citations(plan: PassPlan) -> dict[UUID, int]:
     """How many actions cite each memory (memories cited by none are absent)."""
     counts: dict[UUID, int] = {}
-    for action in (*plan.creates, *plan.updates, *plan.merges):
+    actions: list[CreateAction | UpdateAction | MergeAction] = [
+        *plan.creates,
+        *plan.updates,
+        *plan.merges,
+    ]
+    for action in actions:
         for memory_id in action.memory_ids:
             counts[memory_id] = counts.get(memory_id, 0) + 1
     return counts

@@ -24,9 +24,12 @@ from consolidation.errors import InvalidLLMOutput, ValidationError
 from consolidation.llm import prompts as prompts_module
 from consolidation.llm.prompts import (
     MAX_OBSERVATION_CHARS,
+    CreateAction,
     FactInput,
+    MergeAction,
     ObservationInput,
     PassRequest,
+    UpdateAction,
     build_request,
     is_placeholder,
     parse_answer,
@@ -102,7 +105,8 @@ def test_write_scopes_match_the_contract_of_each_mode(tags: list[str], mode: Any
     elif mode == "shared":
         assert got == {()}
     elif mode == "per_tag":
-        assert got == ({(t,) for t in distinct} or {()})
+        one_tag_each: set[Scope] = {(t,) for t in distinct}
+        assert got == (one_tag_each or {()})
     elif mode == "all_combinations":
         subsets = {c for n in range(1, len(distinct) + 1) for c in combinations(distinct, n)}
         assert got == (subsets or {()})
@@ -238,8 +242,13 @@ def test_a_valid_answer_is_accepted_and_maps_every_ref_to_its_id(
     assert [m.observation_ids for m in plan.merges] == [
         tuple(ids[r] for r in m["observations"]) for m in answer.get("merges", [])
     ]
+    actions: list[CreateAction | UpdateAction | MergeAction] = [
+        *plan.creates,
+        *plan.updates,
+        *plan.merges,
+    ]
     for action, raw in zip(
-        [*plan.creates, *plan.updates, *plan.merges],
+        actions,
         [*answer.get("creates", []), *answer.get("updates", []), *answer.get("merges", [])],
         strict=True,
     ):
@@ -286,12 +295,12 @@ def _break(answer: dict[str, Any], request: PassRequest, violation: str, data: A
         assume(used)
         updates.append({"observation": data.draw(st.sampled_from(used)), "text": "x", "facts": []})
     elif violation == "merge_of_one":
-        used = {u["observation"] for u in updates} | {r for m in merges for r in m["observations"]}
-        free = [r for r in obs if r not in used]
+        taken = {u["observation"] for u in updates} | {r for m in merges for r in m["observations"]}
+        free = [r for r in obs if r not in taken]
         merges.append({"observations": free[:1], "text": "x", "facts": []})
     elif violation == "merge_listing_one_observation_twice":
-        used = {u["observation"] for u in updates} | {r for m in merges for r in m["observations"]}
-        free = [r for r in obs if r not in used]
+        taken = {u["observation"] for u in updates} | {r for m in merges for r in m["observations"]}
+        free = [r for r in obs if r not in taken]
         assume(len(free) >= 2)
         twice = [free[0], free[1], data.draw(st.sampled_from(free[:2]))]
         merges.append({"observations": twice, "text": "Merged.", "facts": []})
