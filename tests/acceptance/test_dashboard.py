@@ -234,7 +234,8 @@ async def test_the_dashboard_explains_a_bank_stuck_on_a_dead_llm_and_retries_a_f
 
             async def erin_waits_to_retry() -> bool:
                 op = await operation(client, erin_op)
-                return op["status"] == "pending" and op["attempt"] == 1
+                waiting: bool = op["status"] == "pending" and op["attempt"] == 1
+                return waiting
 
             await wait_for(erin_waits_to_retry, timeout_s=60, what="erin's first attempt to fail")
 
@@ -266,7 +267,7 @@ async def test_the_dashboard_explains_a_bank_stuck_on_a_dead_llm_and_retries_a_f
                 assert note.startswith("next attempt in") and note.endswith("(attempt 2/5)"), note
                 error = text(driver, f"{row} .last-error") or ""
                 assert error.startswith("LLMRetriesExhausted"), error
-                assert "503" in attribute(driver, f"{row} .last-error", "title")
+                assert "503" in (attribute(driver, f"{row} .last-error", "title") or "")
                 driver.save_screenshot(str(shots / "12-operations-retrying.png"))
 
                 click(driver, f"{row} td a[href^='/ui/operations/']", "erin's operation id")

@@ -9,7 +9,7 @@ import shutil
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import pytest
 from selenium import webdriver
@@ -95,15 +95,17 @@ def requested_urls(driver: webdriver.Chrome) -> list[str]:
 
 
 def wait(
-    driver: WebDriver, condition: Callable[[WebDriver], T], what: str, timeout_s: float = 30
+    driver: WebDriver, condition: Callable[[WebDriver], T | None], what: str, timeout_s: float = 30
 ) -> T:
-    """Poll ``condition`` until it returns something truthy; fail naming ``what`` after the deadline."""
+    """Poll ``condition`` until it returns something truthy (so never None); fail naming ``what``
+    after the deadline."""
     # The pages replace <main> as they refresh themselves: an element found a moment ago may be
     # gone, so a stale one counts as "not yet".
     waiter = WebDriverWait(
         driver, timeout_s, poll_frequency=0.05, ignored_exceptions=(StaleElementReferenceException,)
     )
-    result: T = waiter.until(condition, message=f"timed out after {timeout_s}s waiting for {what}")
+    result = waiter.until(condition, message=f"timed out after {timeout_s}s waiting for {what}")
+    assert result is not None  # until returns only a truthy value
     return result
 
 
@@ -135,7 +137,7 @@ def find(driver: WebDriver, css: str) -> WebElement | None:
     return found[0] if found else None
 
 
-def attribute(driver: WebDriver, css: str, name: str) -> Any:
+def attribute(driver: WebDriver, css: str, name: str) -> str | None:
     """An attribute of the first element matching ``css`` (None when there is none right now)."""
     try:
         element = find(driver, css)
