@@ -4,7 +4,9 @@ tests/integration/test_bench_quality.py)."""
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import httpx
 import orjson
@@ -159,8 +161,8 @@ def test_the_oracle_answers_a_chat_completion_and_rejects_what_it_cannot_read() 
     assert status == 400 and "oracle" in error["error"]["message"]
 
 
-def _v2(user: dict[str, object]) -> ChatRequest:
-    user = {"contract": "v2", "bank": "household-diary", "scope": ["family"], **user}
+def _v2(fields: Mapping[str, object]) -> ChatRequest:
+    user = {"contract": "v2", "bank": "household-diary", "scope": ["family"], **fields}
     return ChatRequest((("user", orjson.dumps(user).decode()),), user, None)
 
 
@@ -226,7 +228,7 @@ def test_a_saved_run_is_judged_again_against_the_current_labels() -> None:
     observations = [
         {"scope": [], "text": m.text, "sources": [m.key], "prior_texts": []} for m in memories[1:]
     ]
-    fates = [
+    fates: list[dict[str, Any]] = [  # as a run saves them, in JSON
         {
             "key": m.key,
             "actions": ["skipped" if i == 0 else "created"],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -40,7 +41,7 @@ def test_gaps_between_calls_count_as_idle_and_lone_calls_before_the_last_full_as
 
 
 def test_a_hedge_copy_makes_one_call_with_its_first_that_ends_at_the_earlier_answer() -> None:
-    calls = [
+    calls: list[dict[str, Any]] = [
         # A first request, aborted once its copy (same scope and facts, sent while it was in
         # flight) was answered.
         {"started": 0.0, "ended": 5.0, "status": None, "scope": ["a"], "fact_texts": ["x"]},
@@ -60,7 +61,7 @@ def test_a_hedge_copy_makes_one_call_with_its_first_that_ends_at_the_earlier_ans
 
 
 def test_a_request_and_its_copy_that_both_failed_end_at_the_later_end() -> None:
-    calls = [
+    calls: list[dict[str, Any]] = [
         {"started": 0.0, "ended": 5.0, "status": 503, "scope": ["a"], "fact_texts": ["x"]},
         {"started": 3.0, "ended": 6.0, "status": None, "scope": ["a"], "fact_texts": ["x"]},
     ]
