@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
+from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
 
@@ -37,21 +39,27 @@ WHERE datname = current_database() AND application_name = $1 AND wait_event_type
 """
 
 
-async def terminate_mid_apply(
-    pool: asyncpg.Pool, application_name: str, done: asyncio.Event | None = None
-) -> None:
-    """Block an apply of the engine on the journal, then end the engine's sessions, so the
-    fault is certain to land mid-statement and not only on idle connections."""
+@contextlib.asynccontextmanager
+async def journal_locked(pool: asyncpg.Pool) -> AsyncIterator[None]:
+    """Hold the journal locked: every apply of the engine blocks on it until the block ends."""
     async with pool.acquire() as conn, conn.transaction():
         await conn.execute("LOCK TABLE consolidation_outcomes IN EXCLUSIVE MODE")
-        await wait_for(
-            lambda: (
-                (done is not None and done.is_set())
-                or pool.fetchval(BLOCKED_ON_LOCK, application_name)
-            ),
-            what="an apply blocked on the journal",
-        )
-        await pool.fetchval(TERMINATE_OTHERS, application_name)
+        yield
+
+
+async def terminate_blocked(
+    pool: asyncpg.Pool, application_name: str, done: asyncio.Event | None = None
+) -> None:
+    """Under :func:`journal_locked`: once an apply of the engine waits on the journal (or
+    ``done`` is set), end the engine's sessions, so the fault is certain to land mid-statement
+    and not only on idle connections."""
+    await wait_for(
+        lambda: (
+            (done is not None and done.is_set()) or pool.fetchval(BLOCKED_ON_LOCK, application_name)
+        ),
+        what="an apply blocked on the journal",
+    )
+    await pool.fetchval(TERMINATE_OTHERS, application_name)
 
 
 async def test_database_outages_hand_the_operation_back_without_spending_attempts(
@@ -75,8 +83,11 @@ async def test_database_outages_hand_the_operation_back_without_spending_attempt
             for _ in range(3):
                 lease = await queue.claim(engine_pool, "w", 30)
                 assert lease is not None and lease.attempt == 1
-                run = asyncio.create_task(run_operation(engine_pool, lease, llm, settings))
-                await terminate_mid_apply(pool, "engine-under-test")
+                # Locked before the run starts: a fast run could otherwise apply everything
+                # before the lock is taken, and nothing would ever block on it.
+                async with journal_locked(pool):
+                    run = asyncio.create_task(run_operation(engine_pool, lease, llm, settings))
+                    await terminate_blocked(pool, "engine-under-test")
                 ends.append((await run).status)
         lease = await queue.claim(engine_pool, "w", 30)
         assert lease is not None
@@ -111,8 +122,9 @@ async def test_past_its_bound_a_database_outage_spends_attempts_so_the_operation
     try:
         lease = await queue.claim(engine_pool, "w", 30)
         assert lease is not None
-        run = asyncio.create_task(run_operation(engine_pool, lease, llm, Settings()))
-        await terminate_mid_apply(pool, "engine-under-test")
+        async with journal_locked(pool):
+            run = asyncio.create_task(run_operation(engine_pool, lease, llm, Settings()))
+            await terminate_blocked(pool, "engine-under-test")
         end = await run
     finally:
         await llm.aclose()
@@ -160,7 +172,8 @@ async def test_sessions_terminated_during_every_stage_of_a_pass_never_duplicate_
                 await pool.fetchval(TERMINATE_OTHERS, "engine-under-test")
                 continue
             killed += 1
-            await terminate_mid_apply(pool, "engine-under-test", done)
+            async with journal_locked(pool):
+                await terminate_blocked(pool, "engine-under-test", done)
 
     attempts: list[str] = []
     errors: list[str] = []
