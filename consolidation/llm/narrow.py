@@ -53,7 +53,7 @@ class NarrowOptions:
 
     candidates: int = 2  # nearest observations per fact, and as many earlier facts
     cosine_floor: float = 0.4  # with embeddings: no candidate below it
-    lexical_floor: float = 0.2  # without: offline.similarity below it is no candidate
+    lexical_floor: float = 0.2  # without: a stem overlap (:func:`overlap`) below it is none
     facts_per_call: int = 1  # a small model compares one fact with its candidates far better
     # With a model: a candidate at least this near (cosine) is the same subject without asking.
     sure_cosine: float = 0.85
@@ -145,6 +145,15 @@ def _stems(text: str) -> frozenset[str]:
     return frozenset(_stem(word) for word in offline.content_words(text))
 
 
+def overlap(a: str, b: str) -> float:
+    """The overlap coefficient of the word stems of ``a`` and ``b``, 0 to 1: "I'm allergic to
+    peanuts" and "my peanut allergy" share two stems and no word."""
+    stems_a, stems_b = _stems(a), _stems(b)
+    if not stems_a or not stems_b:
+        return 0.0
+    return len(stems_a & stems_b) / min(len(stems_a), len(stems_b))
+
+
 def common_stems(texts: Iterable[str]) -> frozenset[str]:
     """Word stems found in more than half of ``texts`` (and in at least three): the name of the
     project or the person that every fact of a scope repeats. Sharing one says nothing about
@@ -187,7 +196,7 @@ def pick_candidates(
 ) -> Candidates:
     """For each fact, its ``options.candidates`` nearest observations and as many nearest
     earlier facts of the pass, above the floor: cosine when both texts have vectors, else
-    the lexical overlap of :func:`consolidation.llm.offline.similarity`."""
+    the overlap of their word stems (:func:`overlap`)."""
     questions: list[Question] = []
     nearness: dict[tuple[str, str], float] = {}
     by_cosine: set[str] = set()
@@ -204,7 +213,7 @@ def pick_candidates(
                     score, floor = cosine(fact_vector, other_vector), options.cosine_floor
                     by_cosine.add(fact.ref)
                 else:
-                    score = offline.similarity(fact.text, other.text)
+                    score = overlap(fact.text, other.text)
                     floor = options.lexical_floor
                 if score >= floor:
                     scored.append((score, position, other))

@@ -95,6 +95,16 @@ def test_facts_with_nothing_near_get_no_question_and_near_ones_get_their_few_nea
     assert asked == {"f2": ["o1"], "f3": ["o1", "f2"]}
 
 
+def test_without_vectors_candidates_share_word_stems_not_only_words() -> None:
+    given = inputs(
+        ["Because of my peanut allergy I always carry an EpiPen."],
+        ["I'm allergic to peanuts.", "I drink my coffee black."],
+    )
+    found = narrow.pick_candidates(given, None, OPTIONS)
+    assert [c.ref for q in found.questions for c in q.candidates] == ["o1"]
+    assert narrow.overlap("I'm allergic to peanuts.", "my peanut allergy") == 1.0
+
+
 def test_with_vectors_candidates_are_the_nearest_above_the_cosine_floor() -> None:
     given = inputs(["one", "two"], ["near", "far", "nearer"])
     vectors = {
