@@ -540,9 +540,16 @@ def _date_words(at: str | None) -> set[str]:
     return {*numbers, *(n.lstrip("0") for n in numbers if n.lstrip("0"))}
 
 
-def rewrite_problems(old: Shown, facts: Sequence[Shown], text: str) -> list[str]:
+def rewrite_problems(
+    old: Shown, facts: Sequence[Shown], text: str, *, old_is_fact: bool = False
+) -> list[str]:
     """What is wrong with ``text`` as the rewrite of ``old`` by ``facts``: a fact it does not
-    mention, the observation's content dropped, words found in none of them (invented)."""
+    mention, the observation's content dropped, words found in none of them (invented).
+
+    The facts' dates may be named; ``old.at`` only when ``old_is_fact`` (the first fact of an
+    observation the pass creates). An existing observation's ``updated_at`` is when the service
+    last wrote it, which no memory said: "my last day there is 27 November 2026" was the day of
+    the run."""
     problems = []
     for fact in facts:
         if _share_kept(fact.text, text) < MIN_KEPT:
@@ -550,8 +557,10 @@ def rewrite_problems(old: Shown, facts: Sequence[Shown], text: str) -> list[str]
     if _share_kept(old.text, text) < MIN_KEPT:
         problems.append(f"the text drops what the observation said: {old.text!r}")
     allowed = set(_stems(old.text)) | _CONNECTIVES
-    for source in (old, *facts):
-        allowed |= _stems(source.text) | _date_words(source.at)
+    if old_is_fact:
+        allowed |= _date_words(old.at)
+    for fact in facts:
+        allowed |= _stems(fact.text) | _date_words(fact.at)
     invented = sorted(
         word
         for word in offline.content_words(text)

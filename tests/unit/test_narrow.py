@@ -193,6 +193,16 @@ def test_the_guards_catch_invented_words_a_dropped_observation_and_a_missed_fact
     assert "f2" in missed
 
 
+def test_a_rewrite_may_name_the_facts_dates_but_not_when_the_observation_was_written() -> None:
+    old = Shown("o1", "Anna lives in Berlin.", "2026-11-27T15:40:22Z")  # the run's own write
+    written = "Anna lives in Berlin; on 27 November 2026 she moved to Munich."
+    (invented,) = narrow.rewrite_problems(old, MOVED, written)
+    assert invented.endswith(": 27")  # 2026 is the fact's year too
+    assert narrow.rewrite_problems(old, MOVED, written, old_is_fact=True) == []
+    happened = "Anna lives in Berlin; on 1 March 2026 she moved to Munich."
+    assert narrow.rewrite_problems(old, MOVED, happened) == []
+
+
 def test_the_join_dates_each_new_fact_and_puts_the_newest_last() -> None:
     later = Shown("f3", "Anna moved to Hamburg", "2026-06-01T00:00:00Z")
     text = narrow.join(OLD, [later, *MOVED])
