@@ -72,7 +72,13 @@ async def answer_pass(
     else:
         texts_of = await asyncio.gather(
             *(
-                _rewrite(complete, inputs, g.base, [f.shown() for f in g.updating])
+                _rewrite(
+                    complete,
+                    inputs,
+                    g.base,
+                    [f.shown() for f in g.updating],
+                    old_is_fact=g.observation is None,
+                )
                 for _, g in wanted
             )
         )
@@ -182,7 +188,12 @@ async def _decide(
 
 
 async def _rewrite(
-    complete: Complete, inputs: narrow.PassInputs, old: Shown, facts: Sequence[Shown]
+    complete: Complete,
+    inputs: narrow.PassInputs,
+    old: Shown,
+    facts: Sequence[Shown],
+    *,
+    old_is_fact: bool,
 ) -> str:
     """The model's rewrite if it passes the guards (at most one repair), else the join."""
     chat = rewrite_chat(inputs.bank, inputs.scope, inputs.mission, old, facts)
@@ -193,7 +204,10 @@ async def _rewrite(
         except InvalidLLMOutput as exc:
             problems, content = exc.problems or [str(exc)], exc.answer or ""
         else:
-            problems, content = narrow.rewrite_problems(old, facts, text), answer.content
+            problems, content = (
+                narrow.rewrite_problems(old, facts, text, old_is_fact=old_is_fact),
+                answer.content,
+            )
             if not problems:
                 return text
         if attempt == 1:

@@ -53,7 +53,7 @@ class NarrowOptions:
 
     candidates: int = 2  # nearest observations per fact, and as many earlier facts
     cosine_floor: float = 0.4  # with embeddings: no candidate below it
-    lexical_floor: float = 0.2  # without: offline.similarity below it is no candidate
+    lexical_floor: float = 0.2  # without: a stem overlap (:func:`overlap`) below it is none
     facts_per_call: int = 1  # a small model compares one fact with its candidates far better
     # With a model: a candidate at least this near (cosine) is the same subject without asking.
     sure_cosine: float = 0.85
@@ -145,6 +145,15 @@ def _stems(text: str) -> frozenset[str]:
     return frozenset(_stem(word) for word in offline.content_words(text))
 
 
+def overlap(a: str, b: str) -> float:
+    """The overlap coefficient of the word stems of ``a`` and ``b``, 0 to 1: "I'm allergic to
+    peanuts" and "my peanut allergy" share two stems and no word."""
+    stems_a, stems_b = _stems(a), _stems(b)
+    if not stems_a or not stems_b:
+        return 0.0
+    return len(stems_a & stems_b) / min(len(stems_a), len(stems_b))
+
+
 def common_stems(texts: Iterable[str]) -> frozenset[str]:
     """Word stems found in more than half of ``texts`` (and in at least three): the name of the
     project or the person that every fact of a scope repeats. Sharing one says nothing about
@@ -187,7 +196,7 @@ def pick_candidates(
 ) -> Candidates:
     """For each fact, its ``options.candidates`` nearest observations and as many nearest
     earlier facts of the pass, above the floor: cosine when both texts have vectors, else
-    the lexical overlap of :func:`consolidation.llm.offline.similarity`."""
+    the overlap of their word stems (:func:`overlap`)."""
     questions: list[Question] = []
     nearness: dict[tuple[str, str], float] = {}
     by_cosine: set[str] = set()
@@ -204,7 +213,7 @@ def pick_candidates(
                     score, floor = cosine(fact_vector, other_vector), options.cosine_floor
                     by_cosine.add(fact.ref)
                 else:
-                    score = offline.similarity(fact.text, other.text)
+                    score = overlap(fact.text, other.text)
                     floor = options.lexical_floor
                 if score >= floor:
                     scored.append((score, position, other))
@@ -531,9 +540,16 @@ def _date_words(at: str | None) -> set[str]:
     return {*numbers, *(n.lstrip("0") for n in numbers if n.lstrip("0"))}
 
 
-def rewrite_problems(old: Shown, facts: Sequence[Shown], text: str) -> list[str]:
+def rewrite_problems(
+    old: Shown, facts: Sequence[Shown], text: str, *, old_is_fact: bool = False
+) -> list[str]:
     """What is wrong with ``text`` as the rewrite of ``old`` by ``facts``: a fact it does not
-    mention, the observation's content dropped, words found in none of them (invented)."""
+    mention, the observation's content dropped, words found in none of them (invented).
+
+    The facts' dates may be named; ``old.at`` only when ``old_is_fact`` (the first fact of an
+    observation the pass creates). An existing observation's ``updated_at`` is when the service
+    last wrote it, which no memory said: "my last day there is 27 November 2026" was the day of
+    the run."""
     problems = []
     for fact in facts:
         if _share_kept(fact.text, text) < MIN_KEPT:
@@ -541,8 +557,10 @@ def rewrite_problems(old: Shown, facts: Sequence[Shown], text: str) -> list[str]
     if _share_kept(old.text, text) < MIN_KEPT:
         problems.append(f"the text drops what the observation said: {old.text!r}")
     allowed = set(_stems(old.text)) | _CONNECTIVES
-    for source in (old, *facts):
-        allowed |= _stems(source.text) | _date_words(source.at)
+    if old_is_fact:
+        allowed |= _date_words(old.at)
+    for fact in facts:
+        allowed |= _stems(fact.text) | _date_words(fact.at)
     invented = sorted(
         word
         for word in offline.content_words(text)

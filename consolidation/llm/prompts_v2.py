@@ -64,7 +64,8 @@ it, adds a detail to that same thing, or replaces it with a new state (a new job
 old job, a new home the old home, a new date the old date of the same event). Answer "no" when \
 the fact is about something else, even if it names the same person, project or place: a \
 project's database is not its language, its budget is not its launch, two people called Anna \
-are two people.
+are two people. A system's different aspects (what it is written in, who owns it, where it \
+stores data, when it runs, how long it keeps things) are different things.
 
 ANSWER with one JSON object: {"same_subject": "yes"} or {"same_subject": "no"}. Nothing else.
 """

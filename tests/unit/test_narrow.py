@@ -95,6 +95,16 @@ def test_facts_with_nothing_near_get_no_question_and_near_ones_get_their_few_nea
     assert asked == {"f2": ["o1"], "f3": ["o1", "f2"]}
 
 
+def test_without_vectors_candidates_share_word_stems_not_only_words() -> None:
+    given = inputs(
+        ["Because of my peanut allergy I always carry an EpiPen."],
+        ["I'm allergic to peanuts.", "I drink my coffee black."],
+    )
+    found = narrow.pick_candidates(given, None, OPTIONS)
+    assert [c.ref for q in found.questions for c in q.candidates] == ["o1"]
+    assert narrow.overlap("I'm allergic to peanuts.", "my peanut allergy") == 1.0
+
+
 def test_with_vectors_candidates_are_the_nearest_above_the_cosine_floor() -> None:
     given = inputs(["one", "two"], ["near", "far", "nearer"])
     vectors = {
@@ -181,6 +191,16 @@ def test_the_guards_catch_invented_words_a_dropped_observation_and_a_missed_fact
     assert "drops what the observation said" in dropped
     (missed,) = narrow.rewrite_problems(OLD, MOVED, "Anna lives in Berlin.")
     assert "f2" in missed
+
+
+def test_a_rewrite_may_name_the_facts_dates_but_not_when_the_observation_was_written() -> None:
+    old = Shown("o1", "Anna lives in Berlin.", "2026-11-27T15:40:22Z")  # the run's own write
+    written = "Anna lives in Berlin; on 27 November 2026 she moved to Munich."
+    (invented,) = narrow.rewrite_problems(old, MOVED, written)
+    assert invented.endswith(": 27")  # 2026 is the fact's year too
+    assert narrow.rewrite_problems(old, MOVED, written, old_is_fact=True) == []
+    happened = "Anna lives in Berlin; on 1 March 2026 she moved to Munich."
+    assert narrow.rewrite_problems(old, MOVED, happened) == []
 
 
 def test_the_join_dates_each_new_fact_and_puts_the_newest_last() -> None:
