@@ -93,16 +93,17 @@ async def _decisions(
     found: narrow.Candidates,
     options: narrow.NarrowOptions,
 ) -> dict[str, Decision]:
-    """Every fact's decision: the sure ones without a call, the rest asked, and a same/update
-    whose candidate shares too little with the fact moved to the one candidate that shares
-    enough, or else confirmed by a yes/no question."""
+    """Every fact's decision: the sure ones without a call, the rest asked; a same/update moved
+    to the candidate that shares clearly more with the fact, and one whose candidate shares too
+    little moved to the one candidate that shares enough, or else confirmed by a yes/no
+    question."""
     sure = narrow.sure_decisions(found, options)
     asked = [q for q in found.questions if q.fact.ref not in sure]
     size = options.facts_per_call
     chunks = [asked[i : i + size] for i in range(0, len(asked), size)]
     answers = await asyncio.gather(*(_decide(complete, inputs, chunk) for chunk in chunks))
-    said = {ref: d for answer in answers for ref, d in answer.items()}
-    model_said = dict(said)
+    model_said = {ref: d for answer in answers for ref, d in answer.items()}
+    said = {ref: narrow.clearer(found, ref, d) for ref, d in model_said.items()}
     doubtful = []
     for ref in narrow.unlinked(found, said):
         better = narrow.stronger(found, ref, said[ref])

@@ -280,6 +280,30 @@ def unlinked(found: Candidates, decisions: Mapping[str, Decision]) -> list[str]:
     ]
 
 
+# A pick is moved to a candidate that shares at least this many more telling words with the fact.
+CLEARLY_MORE = 2
+
+
+def clearer(found: Candidates, ref: str, decision: Decision) -> Decision:
+    """``decision``, or the same kind of decision on the candidate that shares clearly more with
+    the fact: at least :data:`CLEARLY_MORE` telling words more than the model's pick, and more
+    than any other candidate. The model pointed at the wrong one of two near candidates ("Our
+    production workloads are hosted in AWS eu-central-1, Frankfurt" as the same as "Engineers
+    reach production hosts only through the WireGuard VPN", with "Production runs in the
+    Frankfurt region of AWS" beside it)."""
+    if decision.kind == NEW or decision.target is None:
+        return decision
+    picked = _shared(found, ref, decision.target)
+    ranked = sorted(
+        ((_shared(found, ref, c.ref), c.ref) for c in found.question(ref).candidates),
+        reverse=True,
+    )
+    (best, target), runner_up = ranked[0], ranked[1][0] if len(ranked) > 1 else -1
+    if target != decision.target and best >= picked + CLEARLY_MORE and best > runner_up:
+        return Decision(decision.kind, target)
+    return decision
+
+
 def stronger(found: Candidates, ref: str, decision: Decision) -> Decision | None:
     """What to make of a doubtful same/update without asking again, or None to ask.
 

@@ -394,6 +394,27 @@ def test_a_doubtful_decision_moves_to_the_one_candidate_that_shares_enough() -> 
     assert narrow.unlinked(found, {"f1": Decision("update", "o2")}) == []
 
 
+def test_a_pick_moves_to_the_candidate_that_shares_clearly_more() -> None:
+    given = inputs(
+        ["Our production workloads are hosted in AWS eu-central-1, Frankfurt."],
+        [
+            "Engineers reach production hosts only through the WireGuard VPN.",
+            "Production runs in the Frankfurt region of AWS (eu-central-1).",
+        ],
+    )
+    found = narrow.pick_candidates(given, None, narrow.NarrowOptions(lexical_floor=0.0))
+    assert narrow.clearer(found, "f1", Decision("same", "o1")) == Decision("same", "o2")
+    assert narrow.clearer(found, "f1", Decision("same", "o2")) == Decision("same", "o2")
+    assert narrow.clearer(found, "f1", Decision("new")) == Decision("new")
+    # One telling word more is no clear sign: the model's pick stands.
+    close = inputs(
+        ["Leo quit football and joined the swimming club."],
+        ["Leo plays football at the FC Nord club.", "Leo swims at the club on Fridays."],
+    )
+    found = narrow.pick_candidates(close, None, narrow.NarrowOptions(lexical_floor=0.0))
+    assert narrow.clearer(found, "f1", Decision("update", "o2")) == Decision("update", "o2")
+
+
 def test_an_announced_change_stands_on_its_nearest_candidate_by_cosine() -> None:
     # "A new job at Globex" shares no word with "I work as an accountant at Acme": by cosine
     # the Acme observation is its nearest candidate, and the change announced stands there;
