@@ -24,6 +24,7 @@ from typing import Any
 
 import orjson
 
+from consolidation.llm import prompts
 from consolidation.llm.client import estimate_tokens
 
 PARTS = ("instructions", "frame", "observations", "facts", "repair")
@@ -52,18 +53,6 @@ class RequestSplit:
         return self.shared_prefix_chars / self.total_chars if self.total_chars else 0.0
 
 
-def _request_object(content: str) -> tuple[str, dict[str, Any] | None]:
-    """The instructions before the §3 object of a first user message, and the object."""
-    for candidate in (content, content.rstrip().rpartition("\n")[2]):
-        try:
-            found = orjson.loads(candidate)
-        except orjson.JSONDecodeError:
-            continue
-        if isinstance(found, dict):
-            return content[: content.rfind(candidate)], found
-    return content, None
-
-
 def _list_chars(value: object) -> int:
     # The engine sends orjson's compact form; dumping the parsed list again gives its length.
     return len(orjson.dumps(value).decode()) if isinstance(value, list) else 0
@@ -79,11 +68,14 @@ def split_request(messages: Sequence[Message]) -> RequestSplit:
             chars["instructions"] += len(content)
         elif role == "user" and not seen_user:
             seen_user = True
-            head, found = _request_object(content)
+            found = prompts.find_request_object(content)
             if found is None:
                 chars["frame"] += len(content)
                 continue
-            # With the instructions in the user message, the object is its last line.
+            # The engine sends the object compact, on one line: the whole message, or its last
+            # line after the instructions (CONSOLIDATION_LLM_SYSTEM_ROLE=user).
+            before, newline, _ = content.rstrip().rpartition("\n")
+            head = before + newline
             obj_chars = len(content) - len(head)
             chars["instructions"] += len(head)
             chars["observations"] += _list_chars(found.get("observations"))
