@@ -56,7 +56,7 @@ class NarrowOptions:
     lexical_floor: float = 0.2  # without: a stem overlap (:func:`overlap`) below it is none
     facts_per_call: int = 1  # a small model compares one fact with its candidates far better
     # With a model: a candidate at least this near (cosine) is the same subject without asking.
-    sure_cosine: float = 0.85
+    sure_cosine: float = 0.8
     # Deciding without a model (the offline consolidator): the nearest candidate at least this
     # near is the same subject.
     local_cosine: float = 0.7
