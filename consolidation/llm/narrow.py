@@ -148,10 +148,7 @@ def _stems(text: str) -> frozenset[str]:
 def overlap(a: str, b: str) -> float:
     """The overlap coefficient of the word stems of ``a`` and ``b``, 0 to 1: "I'm allergic to
     peanuts" and "my peanut allergy" share two stems and no word."""
-    stems_a, stems_b = _stems(a), _stems(b)
-    if not stems_a or not stems_b:
-        return 0.0
-    return len(stems_a & stems_b) / min(len(stems_a), len(stems_b))
+    return offline.overlap(_stems(a), _stems(b))
 
 
 def common_stems(texts: Iterable[str]) -> frozenset[str]:

@@ -94,7 +94,9 @@ def _derive_tokens(text: str) -> frozenset[str]:
 _tokens = _Memo(_derive_tokens)
 
 
-def _overlap(a: frozenset[str], b: frozenset[str]) -> float:
+def overlap(a: frozenset[str], b: frozenset[str]) -> float:
+    """The overlap coefficient of two word sets: shared words over the smaller set's size, 0 to
+    1 (0 when either is empty)."""
     if not a or not b:
         return 0.0
     return len(a & b) / min(len(a), len(b))
@@ -107,7 +109,7 @@ def content_words(text: str) -> frozenset[str]:
 
 def similarity(a: str, b: str) -> float:
     """Overlap coefficient of the content words of ``a`` and ``b``: 0 (none shared) to 1."""
-    return _overlap(_tokens(a), _tokens(b))
+    return overlap(_tokens(a), _tokens(b))
 
 
 def _derive_normalized(text: str) -> str:
@@ -246,7 +248,7 @@ def _score(entry: _Entry, fact_normalized: str, fact_tokens: frozenset[str]) -> 
     # An already-contained fact is the strongest match even when it has no content words.
     if _contains(entry.normalized, fact_normalized):
         return 1.0
-    return _overlap(entry.tokens, fact_tokens)
+    return overlap(entry.tokens, fact_tokens)
 
 
 def consolidate(request: Mapping[str, Any]) -> dict[str, Any]:
