@@ -138,7 +138,7 @@ async def run(args: argparse.Namespace, log: Log) -> dict[str, Any]:
                 "llm_model": args.llm_model or "default",
             }
         else:
-            server, process = realmodel._start_server(args, logs, stamp, stack, log)
+            server, process = realmodel.start_server(args, logs, stamp, stack, log)
             server["url"] = process.url
         if mode in ("model", "endpoint"):
             # Written down on the way through, so the prompts split as an oracle run's do.
@@ -153,7 +153,7 @@ async def run(args: argparse.Namespace, log: Log) -> dict[str, Any]:
                 "CONSOLIDATION_LLM_MODEL": server["llm_model"],
             }
         results["server"] = server
-        results["client_env"] = realmodel._shown(env)
+        results["client_env"] = realmodel.shown_env(env)
         async with _database_server(args.database_url, env, log) as admin_url:
             results["banks"] = {}
             for qbank in banks:
@@ -194,7 +194,7 @@ async def _run_bank(
     databases = Databases(admin_url)
     url = await databases.migrated(f"bench_quality_{uuid.uuid4().hex[:10]}")
     try:
-        done = await realmodel._consolidate(qbank.bank, url, env, prefix, args.deadline_s, log)
+        done = await realmodel.consolidate_bank(qbank.bank, url, env, prefix, args.deadline_s, log)
         observations, fates = await read_run(url, qbank)
     finally:
         if args.keep_database:

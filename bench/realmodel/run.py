@@ -134,7 +134,7 @@ def add_lane_options(
     wording: LaneOptionsHelp = LaneOptionsHelp(),
 ) -> None:
     """Add the options every command that runs the lane reads: the settings of ingest and replay
-    (:func:`client_env`), the llama-cpp-python server (:func:`_start_server`), the database and
+    (:func:`client_env`), the llama-cpp-python server (:func:`start_server`), the database and
     the results folder."""
     p.add_argument(
         "--env",
@@ -205,7 +205,7 @@ def client_env(args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
-def _shown(env: Mapping[str, str]) -> dict[str, str]:
+def shown_env(env: Mapping[str, str]) -> dict[str, str]:
     """Settings as recorded: secrets masked, the caller's own CONSOLIDATION_* included."""
     inherited = {k: v for k, v in os.environ.items() if k.startswith("CONSOLIDATION_")}
     merged = {**inherited, **env}
@@ -239,7 +239,7 @@ async def run(args: argparse.Namespace, log: Log) -> dict[str, Any]:
             }
             base_url, server_process = args.base_url, None
         else:
-            server, server_process = _start_server(args, logs, stamp, stack, log)
+            server, server_process = start_server(args, logs, stamp, stack, log)
             base_url = server_process.url
         results["server"] = server
         env = {
@@ -247,12 +247,12 @@ async def run(args: argparse.Namespace, log: Log) -> dict[str, Any]:
             "CONSOLIDATION_LLM_BASE_URL": base_url,
             "CONSOLIDATION_LLM_MODEL": server["llm_model"],
         }
-        results["client_env"] = _shown(env)
+        results["client_env"] = shown_env(env)
         databases = Databases(args.database_url)
         try:
             url = await databases.migrated(f"bench_realmodel_{uuid.uuid4().hex[:10]}")
             results.update(
-                await _consolidate(
+                await consolidate_bank(
                     bank, url, env, logs / f"realmodel-{stamp}", args.deadline_s, log
                 )
             )
@@ -267,9 +267,11 @@ async def run(args: argparse.Namespace, log: Log) -> dict[str, Any]:
     return results
 
 
-def _start_server(
+def start_server(
     args: argparse.Namespace, logs: Path, stamp: str, stack: ExitStack, log: Log
 ) -> tuple[dict[str, Any], LlamaServer]:
+    """The lane's llama-cpp-python server for ``args`` (built and fetched from the cache),
+    started under ``stack``: what it runs, as recorded in the results, and the server."""
     python, version = ensure_server_venv(args.venv, log, args.cache_dir / "install.log")
     spec = None if args.model_path else MODELS[args.model]
     model_path = args.model_path or fetch_model(MODELS[args.model], args.cache_dir, log)
@@ -313,7 +315,7 @@ def _start_server(
     return server, process
 
 
-async def _consolidate(
+async def consolidate_bank(
     bank: Bank,
     url: str,
     env: Mapping[str, str],
