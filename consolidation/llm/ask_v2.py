@@ -95,8 +95,8 @@ async def _decisions(
 ) -> dict[str, Decision]:
     """Every fact's decision: the sure ones without a call, the rest asked; a same/update moved
     to the candidate that shares clearly more with the fact, and one whose candidate shares too
-    little moved to the one candidate that shares enough, or else confirmed by a yes/no
-    question."""
+    little moved to the one candidate that shares enough, made new when it shares nothing,
+    or else confirmed by a yes/no question."""
     sure = narrow.sure_decisions(found, options)
     asked = [q for q in found.questions if q.fact.ref not in sure]
     size = options.facts_per_call
@@ -140,6 +140,8 @@ def _explained(
         via = "sure"
     elif ref in doubtful:
         via = "confirmed"
+    elif said is not None and said.kind != NEW and decision.kind == NEW:
+        via = "unlinked"  # it shares no telling word with the candidate the model picked
     elif said is not None and said.target != decision.target:
         via = "retargeted"  # the kind may differ too: checked_decisions turns a same into an update
     else:

@@ -161,6 +161,13 @@ def common_stems(texts: Iterable[str]) -> frozenset[str]:
     return frozenset(s for s, n in counts.items() if n >= 3 and 2 * n > len(distinct))
 
 
+def scope_stems(scope: Iterable[str]) -> frozenset[str]:
+    """The word stems of a scope's tags ("ops", "project-atlas"): every fact of the scope is
+    about them, so sharing one says nothing about whether two facts are about the same thing
+    ("Runbooks live in the ops wiki" and "The ops standup is at 09:30", in scope ops)."""
+    return frozenset(stem for tag in scope for stem in _stems(tag))
+
+
 # Words that say how, how often or where rather than what: shared, they tell no subject ("I
 # always carry an EpiPen" and "Coffee for me is always black"; "backups run every night" and
 # "our monitoring runs on Nagios"; "Runbooks live in the ops wiki" and "The Atlas code lives in
@@ -199,6 +206,7 @@ def pick_candidates(
     by_cosine: set[str] = set()
     shared: dict[tuple[str, str], int] = {}
     common = common_stems(item.text for item in (*inputs.facts, *inputs.observations))
+    common |= scope_stems(inputs.scope)
     for index, fact in enumerate(inputs.facts):
         fact_vector = vectors.get(fact.text) if vectors is not None else None
         chosen: list[Item] = []
@@ -310,7 +318,12 @@ def stronger(found: Candidates, ref: str, decision: Decision) -> Decision | None
     the launch's observation beside it; "Leo quit football" as an update of Leo's allergy, with
     his football club beside it). Else an update that announces a change stands when the
     candidate names something of it ("I moved from Paris to Berlin" of "I live in Paris") or is
-    its nearest candidate by cosine ("I started a new job at Globex" of "I work at Acme")."""
+    its nearest candidate by cosine ("I started a new job at Globex" of "I work at Acme").
+    Without embeddings, a fact that announces no change and shares no telling word with the
+    candidate is ``new`` without asking: words are then the only sign of a link, and a yes/no
+    question over one shared scope word ("Runbooks live in the ops wiki" of "The ops standup is
+    at 09:30") is one a small model answers yes. With embeddings the cosine is a sign of its
+    own (a paraphrase may share no word), so such a fact is asked."""
     assert decision.target is not None
     question = found.question(ref)
     others = [
@@ -320,14 +333,11 @@ def stronger(found: Candidates, ref: str, decision: Decision) -> Decision | None
     ]
     if len(others) == 1:
         return Decision(decision.kind, others[0])
-    if (
-        decision.kind == UPDATE
-        and announces_change(question.fact.text)
-        and (
-            _shared(found, ref, decision.target) >= 1
-            or decision.target == _nearest(found, question)
-        )
-    ):
+    shared = _shared(found, ref, decision.target)
+    if not announces_change(question.fact.text):
+        lexical = ref not in found.by_cosine
+        return Decision(NEW) if shared == 0 and lexical else None
+    if decision.kind == UPDATE and (shared >= 1 or decision.target == _nearest(found, question)):
         return decision
     return None
 
