@@ -571,11 +571,52 @@ def _date_words(at: str | None) -> set[str]:
     return {*numbers, *(n.lstrip("0") for n in numbers if n.lstrip("0"))}
 
 
+# How a text says that one state replaced another: "from A to B", "B instead of A", "replaced A
+# with B". Each side is cut at a clause's end; the words nearest the connective are the value.
+_CLAUSE = r"[^,.;:!?()]"
+_CHANGE_PATTERNS = (
+    (re.compile(rf"\bfrom\s+({_CLAUSE}{{1,60}}?)\s+to\s+({_CLAUSE}{{1,60}})", re.I), False),
+    (re.compile(rf"({_CLAUSE}{{1,60}}?)\s+instead\s+of\s+({_CLAUSE}{{1,60}})", re.I), True),
+    (re.compile(rf"\breplaced\s+({_CLAUSE}{{1,60}}?)\s+with\s+({_CLAUSE}{{1,60}})", re.I), False),
+)
+_VALUE_WORDS = 3
+_VALUE_WORD = re.compile(r"[^\W_]+")
+
+
+def _value(words: str, *, last: bool) -> frozenset[str]:
+    found = [w for w in _VALUE_WORD.findall(words.lower()) if w not in offline.STOP_WORDS]
+    return frozenset(found[-_VALUE_WORDS:] if last else found[:_VALUE_WORDS])
+
+
+def changes(text: str) -> list[tuple[frozenset[str], frozenset[str]]]:
+    """The state changes ``text`` states, as (the old value's words, the new value's words):
+    "moved from 10 May to 14 June" gives ({10, may}, {14, june})."""
+    found = []
+    for pattern, new_first in _CHANGE_PATTERNS:
+        for match in pattern.finditer(text):
+            first = _value(match.group(1), last=True)
+            second = _value(match.group(2), last=False)
+            found.append((second, first) if new_first else (first, second))
+    return found
+
+
+def turns_round(fact: str, text: str) -> bool:
+    """Whether ``text`` states a change of ``fact`` the other way round: the fact says "now
+    ends on 6 January instead of 3 January" and the text "now ends on 3 January instead of 6
+    January". Only what tells the two values apart is compared (6 and 3, not January)."""
+    for old, new in changes(fact):
+        for said_old, said_new in changes(text):
+            if (said_new - said_old) & (old - new) and (said_old - said_new) & (new - old):
+                return True
+    return False
+
+
 def rewrite_problems(
     old: Shown, facts: Sequence[Shown], text: str, *, old_is_fact: bool = False
 ) -> list[str]:
     """What is wrong with ``text`` as the rewrite of ``old`` by ``facts``: a fact it does not
-    mention, the observation's content dropped, words found in none of them (invented).
+    mention, the observation's content dropped, words found in none of them (invented), a
+    change stated the other way round.
 
     The facts' dates may be named; ``old.at`` only when ``old_is_fact`` (the first fact of an
     observation the pass creates). An existing observation's ``updated_at`` is when the service
@@ -585,6 +626,10 @@ def rewrite_problems(
     for fact in facts:
         if _share_kept(fact.text, text) < MIN_KEPT:
             problems.append(f"the text does not say what fact {fact.ref} says: {fact.text!r}")
+        elif turns_round(fact.text, text):
+            problems.append(
+                f"the text states the change of fact {fact.ref} the other way round: {fact.text!r}"
+            )
     if _share_kept(old.text, text) < MIN_KEPT:
         problems.append(f"the text drops what the observation said: {old.text!r}")
     allowed = set(_stems(old.text)) | _CONNECTIVES

@@ -28,7 +28,8 @@ _STOP_WORDS_TEXT = """
     those through to too under until up very was we were what when where which while who whom
     why will with would you your yours
 """
-_STOP_WORDS = frozenset(_STOP_WORDS_TEXT.split())
+STOP_WORDS = frozenset(_STOP_WORDS_TEXT.split())
+_STOP_WORDS = STOP_WORDS
 _WORD = re.compile(r"[^\W_]+")
 _ASCII_NON_WORD = str.maketrans({c: " " for c in map(chr, range(128)) if not c.isalnum()})
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")

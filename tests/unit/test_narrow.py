@@ -204,6 +204,48 @@ def test_a_rewrite_may_name_the_facts_dates_but_not_when_the_observation_was_wri
     assert narrow.rewrite_problems(old, MOVED, happened) == []
 
 
+FREEZE = Shown("o1", "There is a change freeze from 20 December to 3 January.")
+LATER = Shown("f1", "The holiday change freeze now ends on 6 January instead of 3 January.")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "The holiday change freeze is from 20 December, now ending on 3 January instead of "
+        "6 January.",
+        "The change freeze from 20 December now ends on 3 January, moved from 6 January to 3 "
+        "January.",
+    ],
+)
+def test_a_rewrite_that_states_a_change_the_other_way_round_is_sent_back(text: str) -> None:
+    (reversed_,) = narrow.rewrite_problems(FREEZE, [LATER], text)
+    assert "other way round" in reversed_ and "f1" in reversed_
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "The holiday change freeze is from 20 December to 6 January instead of 3 January.",
+        "The change freeze was from 20 December to 3 January and now ends on 6 January.",
+    ],
+)
+def test_a_range_or_the_change_stated_as_the_fact_says_it_is_no_reversal(text: str) -> None:
+    assert narrow.rewrite_problems(FREEZE, [LATER], text) == []
+
+
+def test_changes_are_read_from_from_to_instead_of_and_replaced_with() -> None:
+    assert narrow.changes("The Lisbon trip moved from 10 May to 14 June.") == [
+        ({"10", "may"}, {"14", "june"})
+    ]
+    assert narrow.changes("It ends on 6 January instead of 3 January.") == [
+        ({"3", "january"}, {"ends", "6", "january"})
+    ]
+    assert narrow.changes("We replaced Nagios with Prometheus and Grafana.") == [
+        ({"nagios"}, {"prometheus", "grafana"})
+    ]
+    assert narrow.changes("Dr. Okafor raised my dose to 10 mg.") == []
+
+
 def test_the_join_dates_each_new_fact_and_puts_the_newest_last() -> None:
     later = Shown("f3", "Anna moved to Hamburg", "2026-06-01T00:00:00Z")
     text = narrow.join(OLD, [later, *MOVED])
