@@ -153,6 +153,11 @@ def decide_chat(
     )
 
 
+def _day(at: str | None) -> str | None:
+    """The date of an ISO 8601 time: "2026-03-01T09:00:00Z" is "2026-03-01"."""
+    return at[:10] if at else at
+
+
 def rewrite_chat(
     bank: str,
     scope: Sequence[str],
@@ -162,8 +167,11 @@ def rewrite_chat(
 ) -> Chat:
     """The rewrite request of one observation updated by ``facts`` (oldest first)."""
     payload = _head(bank, scope, mission, REWRITE)
-    payload["observation"] = {"text": observation.text, "updated_at": observation.at}
-    payload["facts"] = [{"ref": f.ref, "text": f.text, "occurred_at": f.at} for f in facts]
+    # Dates only: a time of day is some 10 tokens (the tokenizer splits digits) that no text
+    # needs, the guards allow only the date's words, and the observation's time of writing
+    # would make two runs with the same decisions ask differently.
+    payload["observation"] = {"text": observation.text, "updated_at": _day(observation.at)}
+    payload["facts"] = [{"ref": f.ref, "text": f.text, "occurred_at": _day(f.at)} for f in facts]
     return Chat(
         system=REWRITE_PROMPT,
         user=orjson.dumps(payload).decode(),

@@ -68,7 +68,9 @@ def test_decide_and_confirm_requests_show_no_dates_and_rewrites_do() -> None:
     rewrite = rewrite_chat("b", ("x",), None, observation, [fact])
     assert "2026" not in decide.user
     assert "2026" not in confirm.user
-    assert orjson.loads(rewrite.user)["facts"][0]["occurred_at"] == "2026-03-01T09:00:00Z"
+    shown = orjson.loads(rewrite.user)
+    assert shown["facts"][0]["occurred_at"] == "2026-03-01"  # the date, not the time of day
+    assert shown["observation"]["updated_at"] == "2026-01-01"
 
 
 def test_an_answer_outside_a_facts_choices_is_unusable() -> None:
