@@ -319,11 +319,13 @@ def stronger(found: Candidates, ref: str, decision: Decision) -> Decision | None
     his football club beside it). Else an update that announces a change stands when the
     candidate names something of it ("I moved from Paris to Berlin" of "I live in Paris") or is
     its nearest candidate by cosine ("I started a new job at Globex" of "I work at Acme").
-    Without embeddings, a fact that announces no change and shares no telling word with the
-    candidate is ``new`` without asking: words are then the only sign of a link, and a yes/no
-    question over one shared scope word ("Runbooks live in the ops wiki" of "The ops standup is
-    at 09:30") is one a small model answers yes. With embeddings the cosine is a sign of its
-    own (a paraphrase may share no word), so such a fact is asked."""
+    A fact that announces no change and shares no telling word with the candidate is ``new``
+    without asking unless the candidate is its nearest by cosine: with no word shared, the
+    cosine is the only sign of a link ("Runbooks live in the ops wiki" of "The ops standup is at
+    09:30", sharing only the scope's name, is one a small model confirms; "The Atlas code lives
+    in the internal GitLab" of the second-nearest Go backend, too). Without embeddings there is
+    no nearest, so such a pick is always new; a paraphrase that shares no word but is the
+    nearest is asked."""
     assert decision.target is not None
     question = found.question(ref)
     others = [
@@ -335,8 +337,8 @@ def stronger(found: Candidates, ref: str, decision: Decision) -> Decision | None
         return Decision(decision.kind, others[0])
     shared = _shared(found, ref, decision.target)
     if not announces_change(question.fact.text):
-        lexical = ref not in found.by_cosine
-        return Decision(NEW) if shared == 0 and lexical else None
+        unseen = shared == 0 and decision.target != _nearest(found, question)
+        return Decision(NEW) if unseen else None
     if decision.kind == UPDATE and (shared >= 1 or decision.target == _nearest(found, question)):
         return decision
     return None

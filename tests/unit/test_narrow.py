@@ -393,7 +393,7 @@ def test_the_scopes_own_name_tells_no_subject() -> None:
     assert narrow.scope_stems(["project-atlas", "ops"]) == {"projec", "atla", "ops"}
 
 
-def test_without_embeddings_a_pick_that_shares_no_telling_word_is_new_without_asking() -> None:
+def test_a_pick_that_shares_no_telling_word_and_is_not_the_nearest_is_new_without_asking() -> None:
     given = inputs(
         ["Runbooks live in the ops wiki.", "I started a new job at Globex."],
         ["The ops standup is at 09:30.", "I work as an accountant at Acme Corp."],
@@ -405,12 +405,18 @@ def test_without_embeddings_a_pick_that_shares_no_telling_word_is_new_without_as
     assert narrow.stronger(found, "f1", said["f1"]) == Decision("new")
     # A fact that announces a change may share no word with the state it replaces: asked.
     assert narrow.stronger(found, "f2", said["f2"]) is None
-    # With embeddings the cosine is a sign of its own, so the same pick is asked.
-    texts = [item.text for item in (*ops.facts, *ops.observations)]
-    vectors = {text: [1.0, 0.1 * i] for i, text in enumerate(texts)}
+    # With embeddings the cosine is a sign of its own: a pick that is the fact's nearest is
+    # asked (a paraphrase may share no word), one that is not is new.
+    vectors = {
+        "Runbooks live in the ops wiki.": [1.0, 0.0],
+        "I started a new job at Globex.": [0.0, 1.0],
+        "The ops standup is at 09:30.": [0.9, 0.1],
+        "I work as an accountant at Acme Corp.": [0.5, 0.5],
+    }
     near = narrow.pick_candidates(ops, vectors, narrow.NarrowOptions(cosine_floor=0.0))
-    assert near.shared["f1", "o1"] == 0
+    assert near.shared["f1", "o1"] == near.shared["f1", "o2"] == 0
     assert narrow.stronger(near, "f1", said["f1"]) is None
+    assert narrow.stronger(near, "f1", Decision("same", "o2")) == Decision("new")
 
 
 def test_a_candidate_that_says_it_all_or_is_nearly_the_same_vector_is_decided_without_asking() -> (
