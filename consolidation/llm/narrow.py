@@ -540,6 +540,7 @@ _CONNECTIVES = frozenset(
         "dec",
     ]
 )
+_CONNECTIVE_STEMS = frozenset(_stem(word) for word in _CONNECTIVES)
 _DIGITS = re.compile(r"\d+")
 # Below this share of a text's content words found in the rewrite, it was not kept.
 MIN_KEPT = 0.6
@@ -618,7 +619,7 @@ def rewrite_problems(
 ) -> list[str]:
     """What is wrong with ``text`` as the rewrite of ``old`` by ``facts``: a fact it does not
     mention, the observation's content dropped, words found in none of them (invented), a
-    change stated the other way round.
+    change stated the other way round, the newest fact's words in another tense.
 
     The facts' dates may be named; ``old.at`` only when ``old_is_fact`` (the first fact of an
     observation the pass creates). An existing observation's ``updated_at`` is when the service
@@ -649,7 +650,46 @@ def rewrite_problems(
             "the text adds words found in neither the observation nor the facts: "
             + ", ".join(invented)
         )
+    *older, newest = sorted(facts, key=lambda f: f.at or "")
+    retensed = other_tense(text, newest.text, [old.text, *(f.text for f in older)])
+    if retensed:
+        problems.append(
+            f"the text puts words of the newest fact {newest.ref} in another tense: "
+            + ", ".join(retensed)
+        )
     return problems
+
+
+def _tense(word: str) -> str:
+    """What a word's ending says of its time: "ed" (joined), "ing" (ending), else ""."""
+    if len(word) > 4 and word.endswith("ed"):
+        return "ed"
+    if len(word) > 5 and word.endswith("ing"):
+        return "ing"
+    return ""
+
+
+def other_tense(text: str, newest: str, older: Sequence[str]) -> list[str]:
+    """The words of ``text`` that only the ``newest`` fact gives, with another ending of time
+    than it gives them: "now joins the swimming club" for "Leo quit football and joined the
+    swimming club", "now ending on 6 January" for "now ends on 6 January". The newest fact
+    tells the state as it is now, and the stems guard passes a changed tense. Words the older
+    texts give too may change tense ("Anna lived in Berlin" once she moved), and so may the
+    words that order states ("replacing")."""
+    before = frozenset().union(*(_stems(text) for text in older))
+    forms: dict[str, set[str]] = {}
+    for word in offline.content_words(newest):
+        forms.setdefault(_stem(word), set()).add(_tense(word))
+    return sorted(
+        {
+            word
+            for word in offline.content_words(text)
+            if (stem := _stem(word)) in forms
+            and stem not in before
+            and stem not in _CONNECTIVE_STEMS
+            and _tense(word) not in forms[stem]
+        }
+    )
 
 
 def _sentence(text: str) -> str:
