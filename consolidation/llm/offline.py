@@ -29,14 +29,13 @@ _STOP_WORDS_TEXT = """
     why will with would you your yours
 """
 STOP_WORDS = frozenset(_STOP_WORDS_TEXT.split())
-_STOP_WORDS = STOP_WORDS
 _WORD = re.compile(r"[^\W_]+")
 _ASCII_NON_WORD = str.maketrans({c: " " for c in map(chr, range(128)) if not c.isalnum()})
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 # The same ends where every run of white space is one plain space: a sentence's mark and it.
 _SPACED_SENTENCE_END = re.compile(r"[.!?] ")
 # Words no text is matched on: the stop words and, in ASCII text, the one-character runs.
-_IGNORED_ASCII = _STOP_WORDS | frozenset("abcdefghijklmnopqrstuvwxyz0123456789")
+_IGNORED_ASCII = STOP_WORDS | frozenset("abcdefghijklmnopqrstuvwxyz0123456789")
 # A scope's observations come back in request after request until one of them changes, and
 # tokenizing them again each time would be most of the fake LLM's CPU. Bounded: at most this many texts of at most
 # MAX_OBSERVATION_CHARS each, with their word sets.
@@ -89,7 +88,7 @@ def _derive_tokens(text: str) -> frozenset[str]:
         # Its words are ASCII letters and digits, so its one-character words are among
         # _IGNORED_ASCII: one set difference instead of a length test per word.
         return frozenset(_words(lowered) - _IGNORED_ASCII)
-    return frozenset(word for word in _words(lowered) if len(word) > 1) - _STOP_WORDS
+    return frozenset(word for word in _words(lowered) if len(word) > 1) - STOP_WORDS
 
 
 _tokens = _Memo(_derive_tokens)

@@ -330,7 +330,7 @@ def test_a_texts_content_words_skip_stop_words_and_single_characters(text: str) 
     # those a length test keeps.
     words = offline._words(text.lower())
     assert offline._derive_tokens(text) == {
-        w for w in words if len(w) > 1 and w not in offline._STOP_WORDS
+        w for w in words if len(w) > 1 and w not in offline.STOP_WORDS
     }
 
 
