@@ -63,6 +63,10 @@ async def answer_pass(
     found = narrow.pick_candidates(inputs, vectors, options)
     if complete is None:
         decisions = narrow.local_decisions(found, options)
+        if log.is_enabled_for(logging.DEBUG):
+            explain = functools.partial(_explained, sure={}, doubtful=(), model={}, local=True)
+            entries = [explain(q, decisions[q.fact.ref]) for q in found.questions]
+            log.debug("v2_decisions", decisions=entries)
     else:
         decisions = await _decisions(complete, inputs, found, options)
     groups = narrow.assemble(inputs, decisions)
@@ -132,11 +136,14 @@ def _explained(
     sure: Mapping[str, Decision],
     doubtful: Sequence[str],
     model: Mapping[str, Decision],
+    local: bool = False,
 ) -> dict[str, Any]:
     """One fact of the ``v2_decisions`` log: its candidates, what was applied, and how."""
     ref = question.fact.ref
     said = model.get(ref)
-    if ref in sure:
+    if local:
+        via = "local"  # the offline consolidator: no model was asked
+    elif ref in sure:
         via = "sure"
     elif ref in doubtful:
         via = "confirmed"

@@ -60,7 +60,9 @@ class NarrowOptions:
     # Deciding without a model (the offline consolidator): the nearest candidate at least this
     # near is the same subject.
     local_cosine: float = 0.7
-    local_lexical: float = offline.SIMILARITY_THRESHOLD
+    # ... or at least this near and sharing two telling words (:func:`telling_words`).
+    local_pair_cosine: float = 0.65
+    local_lexical: float = offline.SIMILARITY_THRESHOLD  # without embeddings
     # ... and at least this near, a restatement in other words: cited, its text kept.
     local_same_cosine: float = 0.9
 
@@ -354,19 +356,39 @@ def _nearest(found: Candidates, question: Question) -> str | None:
 
 
 def local_decisions(found: Candidates, options: NarrowOptions) -> dict[str, Decision]:
-    """The decisions of the offline consolidator: the nearest candidate that is near enough —
-    by its vector, or by the words it shares with the fact, as the v1 offline policy judges —
-    is the same subject: ``same`` when it already says everything the fact says (or is nearly
-    the same vector), else ``update``. None near enough: ``new``."""
+    """The decisions of the offline consolidator: the nearest candidate that is near enough is
+    the same subject: ``same`` when it already says everything the fact says (or is nearly the
+    same vector), else ``update``. None near enough: ``new``.
+
+    With vectors, near enough is ``local_cosine``; or ``local_pair_cosine`` with two telling
+    words shared ("Because of my peanut allergy I carry an EpiPen" of "I have a severe peanut
+    allergy"); or, for a fact that announces a change, one telling word ("I moved from Paris to
+    Berlin" of "I live in Paris") or being its nearest candidate ("I started a new job at
+    Globex" of "I work at Acme"), as a model's update stands (:func:`stronger`). Words alone do
+    not link then: "The billing service is written in Kotlin" and "Lena owns the billing
+    service" are mostly the same words and two subjects. Without vectors, near enough is the
+    v1 offline policy's word overlap (``local_lexical``)."""
     decisions: dict[str, Decision] = {}
     for question in found.questions:
         ref = question.fact.ref
         cosines = ref in found.by_cosine
         near: list[tuple[float, Shown]] = []
+        change = announces_change(question.fact.text)
+        nearest = _nearest(found, question)
         for candidate in question.candidates:
             score = found.nearness.get((ref, candidate.ref), 0.0)
-            shared = offline.similarity(question.fact.text, candidate.text)
-            if (cosines and score >= options.local_cosine) or shared >= options.local_lexical:
+            if cosines:
+                telling = _shared(found, ref, candidate.ref)
+                linked = (
+                    score >= options.local_cosine
+                    or (telling >= STRONG_LINK and score >= options.local_pair_cosine)
+                    or (change and (telling >= 1 or candidate.ref == nearest))
+                )
+            else:
+                linked = (
+                    offline.similarity(question.fact.text, candidate.text) >= options.local_lexical
+                )
+            if linked:
                 near.append((score, candidate))
         if not near:
             decisions[ref] = Decision(NEW)

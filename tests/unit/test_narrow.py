@@ -540,3 +540,54 @@ def test_an_announced_change_stands_on_its_nearest_candidate_by_cosine() -> None
     # Without embeddings the nearness is lexical: nothing shared, nothing stands.
     lexical = narrow.pick_candidates(given, None, narrow.NarrowOptions(lexical_floor=0.0))
     assert narrow.stronger(lexical, "f1", Decision("update", "o1")) is None
+
+
+def _at(cos: float) -> list[float]:
+    """A unit vector at cosine ``cos`` of [1, 0]."""
+    return [cos, (1 - cos * cos) ** 0.5]
+
+
+@pytest.mark.parametrize(
+    ("fact", "cos", "linked"),
+    [
+        # Two telling words ("peanut", "allergy") are enough from the pair cosine.
+        ("Because of my peanut allergy I carry an EpiPen.", 0.66, True),
+        ("Because of my peanut allergy I carry an EpiPen.", 0.60, False),
+        # One telling word ("Paris") only when the fact announces a change.
+        ("My flat in Paris is close to the canal.", 0.66, False),
+        ("I moved from Paris to Berlin.", 0.45, True),
+        # No word shared: a change stands on its nearest candidate only.
+        ("I started a new job as a data analyst at Globex.", 0.45, True),
+        ("I go running on Sundays.", 0.66, False),
+    ],
+)
+def test_without_a_model_words_and_a_change_announced_link_below_the_cosine_alone(
+    fact: str, cos: float, linked: bool
+) -> None:
+    old = {
+        "Because of my peanut allergy I carry an EpiPen.": "I have a severe peanut allergy.",
+        "My flat in Paris is close to the canal.": "I live in Paris.",
+        "I moved from Paris to Berlin.": "I live in Paris.",
+        "I started a new job as a data analyst at Globex.": "I work as an accountant at Acme.",
+        "I go running on Sundays.": "I drink my coffee black.",
+    }[fact]
+    given = inputs([fact], [old, "The cat is called Miso."])
+    vectors = {
+        fact: [1.0, 0.0, 0.0],
+        old: [*_at(cos), 0.0],
+        "The cat is called Miso.": [0.41, 0.0, 0.91],
+    }
+    found = narrow.pick_candidates(given, vectors, OPTIONS)
+    decision = narrow.local_decisions(found, OPTIONS)["f1"]
+    assert decision == (Decision("update", "o1") if linked else Decision("new"))
+
+
+def test_without_a_model_words_alone_do_not_link_when_there_are_vectors() -> None:
+    # "The billing service" is most of both texts, so the v1 offline policy's word overlap
+    # calls them one subject; with vectors (0.58 apart) they stay two.
+    fact, old = "Lena owns the billing service.", "The billing service is written in Kotlin."
+    given = inputs([fact], [old])
+    found = narrow.pick_candidates(given, {fact: [1.0, 0.0], old: _at(0.58)}, OPTIONS)
+    assert narrow.local_decisions(found, OPTIONS) == {"f1": Decision("new")}
+    lexical = narrow.pick_candidates(given, None, OPTIONS)
+    assert narrow.local_decisions(lexical, OPTIONS) == {"f1": Decision("update", "o1")}
