@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import orjson
 import pytest
@@ -73,12 +73,8 @@ def _minilm_unavailable(exc: Exception) -> NoReturn:
     pytest.skip(message)
 
 
-def test_the_v2_oracle_with_minilm_embeddings_scores_100_percent_on_every_bank(
-    vector_admin_url: str, tmp_path: Path
-) -> None:
-    """Contract v2's candidates with a real embedding model: a perfect model's decisions come out
-    as a perfect set of observations only if every twin and old state is among a fact's
-    candidates (the fake's embeddings are not semantic, so only this model can show it)."""
+def _minilm_run(decider: str, admin_url: str, results: Path, *settings: str) -> dict[str, Any]:
+    """``python -m bench quality DECIDER`` with all-MiniLM-L6-v2 embeddings: the saved results."""
     try:
         from bench.recall import minilm
 
@@ -89,10 +85,10 @@ def test_the_v2_oracle_with_minilm_embeddings_scores_100_percent_on_every_bank(
         _minilm_unavailable(exc)
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONSOLIDATION_")}
     with minilm.ModelServer(model) as server:
-        command = [sys.executable, "-m", "bench", "quality", "--oracle"]
-        command += ["--database-url", vector_admin_url, "--results-dir", str(tmp_path)]
+        command = [sys.executable, "-m", "bench", "quality", decider]
+        command += ["--database-url", admin_url, "--results-dir", str(results)]
         for setting in (
-            "CONSOLIDATION_LLM_CONTRACT=v2",
+            *settings,
             f"CONSOLIDATION_EMBEDDINGS_BASE_URL={server.url}",
             "CONSOLIDATION_EMBEDDINGS_MODEL=all-MiniLM-L6-v2",
         ):
@@ -100,13 +96,42 @@ def test_the_v2_oracle_with_minilm_embeddings_scores_100_percent_on_every_bank(
         run = subprocess.run(
             command, cwd=ROOT, env=env, capture_output=True, timeout=600, check=False
         )
-    saved = tmp_path / "latest-quality-oracle.json"
+    saved = results / f"latest-quality-{decider.removeprefix('--')}.json"
     assert saved.exists(), run.stderr.decode()[-3000:]
-    results = orjson.loads(saved.read_bytes())
+    assert run.returncode == 0, run.stderr.decode()[-3000:]
+    found: dict[str, Any] = orjson.loads(saved.read_bytes())
+    assert set(found["banks"]) == {b.name for b in load_banks()}
+    return found
+
+
+def test_the_offline_consolidator_with_minilm_embeddings_never_joins_two_subjects(
+    vector_admin_url: str, tmp_path: Path
+) -> None:
+    """No model at all: the links the offline consolidator makes from vectors and shared words
+    never pile different labels into one observation nor join a hard negative, on any bank —
+    the v1 offline policy's word overlap piled billing's language, queue and owner together."""
+    results = _minilm_run("--offline", vector_admin_url, tmp_path)
+    for name, bank in results["banks"].items():
+        judgement = bank["judgement"]
+        assert bank["figures"]["llm_calls"] == 0, name
+        assert judgement["observations_mixing_labels"] == 0, (name, judgement["mixed"])
+        assert judgement["hard_negatives_merged"] == 0, name
+        assert judgement["unsupported_observations"] == 0, (name, judgement["unsupported"])
+        assert judgement["memories_cited"] == judgement["memories"], name
+        # ... and it still collapses most duplicate groups into one observation.
+        assert judgement["duplicate_labels_collapsed"] > judgement["duplicate_labels"] // 2, name
+
+
+def test_the_v2_oracle_with_minilm_embeddings_scores_100_percent_on_every_bank(
+    vector_admin_url: str, tmp_path: Path
+) -> None:
+    """Contract v2's candidates with a real embedding model: a perfect model's decisions come out
+    as a perfect set of observations only if every twin and old state is among a fact's
+    candidates (the fake's embeddings are not semantic, so only this model can show it)."""
+    results = _minilm_run("--oracle", vector_admin_url, tmp_path, "CONSOLIDATION_LLM_CONTRACT=v2")
     assert results["client_env"]["CONSOLIDATION_LLM_CONTRACT"] == "v2"
     assert set(results["banks"]) == {b.name for b in load_banks()}
     for name, bank in results["banks"].items():
         judgement = bank["judgement"]
         not_ok = {n: v["verdict"] for n, v in judgement["labels"].items() if v["verdict"] != "ok"}
         assert shortfalls(judgement) == [], (name, not_ok, judgement["unsupported"])
-    assert run.returncode == 0, run.stderr.decode()[-3000:]
