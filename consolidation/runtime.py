@@ -78,10 +78,15 @@ def run(main: Coroutine[Any, Any, T], choice: str = "auto") -> T:
 def build_consolidator(settings: Settings) -> Consolidator:
     """The HTTP client when an LLM URL is configured, else the offline consolidator (warned)."""
     if settings.llm_base_url is None:
+        how = (
+            "the embeddings' cosine and shared words"
+            if settings.embeddings_base_url
+            else "lexical similarity"
+        )
         log.warning(
             "offline_consolidator",
             message="CONSOLIDATION_LLM_BASE_URL is not set: using the built-in offline "
-            "consolidator (lexical similarity, no LLM). Set it to use a real model.",
+            f"consolidator ({how}, no LLM). Set it to use a real model.",
         )
         return OfflineConsolidator()
     return HTTPConsolidator(

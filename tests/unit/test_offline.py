@@ -9,8 +9,10 @@ from uuid import UUID
 import orjson
 from hypothesis import given
 from hypothesis import strategies as st
+from structlog.testing import capture_logs
 
 from consolidation.llm import offline
+from consolidation.llm.client import OfflineConsolidator
 from consolidation.llm.offline import SIMILARITY_THRESHOLD, consolidate, similarity
 from consolidation.llm.prompts import (
     MAX_OBSERVATION_CHARS,
@@ -21,6 +23,8 @@ from consolidation.llm.prompts import (
     build_request,
     parse_answer,
 )
+from consolidation.runtime import build_consolidator
+from consolidation.settings import load_settings
 from tests.unit.test_prompts import citations
 
 WHEN = datetime(2026, 1, 1, tzinfo=UTC)
@@ -392,3 +396,14 @@ def test_facts_folded_into_one_observation_read_as_sentences() -> None:
         "Sam likes tea. Sam likes coffee too"
     )
     assert offline._append("Is Sam in?", "Sam is in") == "Is Sam in? Sam is in"
+
+
+def test_the_offline_warning_says_how_it_decides() -> None:
+    for extra, how in [
+        ({}, "lexical similarity"),
+        ({"embeddings_base_url": "http://127.0.0.1:9/v1"}, "the embeddings' cosine"),
+    ]:
+        with capture_logs() as logs:
+            assert isinstance(build_consolidator(load_settings(**extra)), OfflineConsolidator)
+        (warning,) = [e for e in logs if e["event"] == "offline_consolidator"]
+        assert how in warning["message"], warning
