@@ -57,6 +57,8 @@ class NarrowOptions:
     facts_per_call: int = 1  # a small model compares one fact with its candidates far better
     # With a model: a candidate at least this near (cosine) is the same subject without asking.
     sure_cosine: float = 0.8
+    # ... or this near and sharing two telling words (:func:`telling_words`).
+    sure_pair_cosine: float = 0.65
     # Deciding without a model (the offline consolidator): the nearest candidate at least this
     # near is the same subject.
     local_cosine: float = 0.7
@@ -237,16 +239,25 @@ def pick_candidates(
 def sure_decisions(found: Candidates, options: NarrowOptions) -> dict[str, Decision]:
     """The facts the model need not be asked about: a candidate says what the fact says in the
     same words (not merely among many others: a long observation holds most short facts' words),
-    or (with embeddings) is at cosine ``options.sure_cosine`` or nearer — ``same`` as the
-    nearest such candidate (:func:`checked_decisions` makes it an update if it says less)."""
+    or (with embeddings) is at cosine ``options.sure_cosine`` or nearer, or at
+    ``options.sure_pair_cosine`` sharing two telling words ("Miso, my cat, is a grey tabby" of
+    "I have a cat named Miso") — ``same`` as the nearest such candidate
+    (:func:`checked_decisions` makes it an update if it says less)."""
     sure: dict[str, Decision] = {}
     for question in found.questions:
         ref = question.fact.ref
         best: tuple[float, str] | None = None
         for candidate in question.candidates:
             score = found.nearness.get((ref, candidate.ref), 0.0)
-            certain = restates(candidate.text, question.fact.text) or (
-                ref in found.by_cosine and score >= options.sure_cosine
+            cosines = ref in found.by_cosine
+            certain = (
+                restates(candidate.text, question.fact.text)
+                or (cosines and score >= options.sure_cosine)
+                or (
+                    cosines
+                    and score >= options.sure_pair_cosine
+                    and _shared(found, ref, candidate.ref) >= STRONG_LINK
+                )
             )
             if certain and (best is None or score > best[0]):
                 best = (score, candidate.ref)

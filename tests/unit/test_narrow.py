@@ -591,3 +591,17 @@ def test_without_a_model_words_alone_do_not_link_when_there_are_vectors() -> Non
     assert narrow.local_decisions(found, OPTIONS) == {"f1": Decision("new")}
     lexical = narrow.pick_candidates(given, None, OPTIONS)
     assert narrow.local_decisions(lexical, OPTIONS) == {"f1": Decision("update", "o1")}
+
+
+def test_two_telling_words_at_the_pair_cosine_need_no_question() -> None:
+    # "cat" and "Miso" shared at 0.7: sure, no call; at 0.6, or at 0.7 sharing one word, asked.
+    fact = "Miso, my cat, is a grey tabby."
+    for old, cos, sure in [
+        ("I have a cat named Miso.", 0.7, True),
+        ("I have a cat named Miso.", 0.6, False),
+        ("I have a dog named Miso.", 0.7, False),
+    ]:
+        given = inputs([fact], [old])
+        found = narrow.pick_candidates(given, {fact: [1.0, 0.0], old: _at(cos)}, OPTIONS)
+        expected = {"f1": Decision("same", "o1")} if sure else {}
+        assert narrow.sure_decisions(found, OPTIONS) == expected, (old, cos)
