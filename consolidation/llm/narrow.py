@@ -197,6 +197,9 @@ def telling_words(a: str, b: str, common: frozenset[str]) -> frozenset[str]:
 
 # A same/update whose fact and candidate share fewer telling words than this is asked once more.
 STRONG_LINK = 2
+# Without embeddings, a candidate sharing this many telling words with a fact is the same subject
+# without asking (with embeddings the cosine says it: ``NarrowOptions.sure_pair_cosine``).
+SURE_LINK = 3
 
 
 def pick_candidates(
@@ -241,7 +244,9 @@ def sure_decisions(found: Candidates, options: NarrowOptions) -> dict[str, Decis
     same words (not merely among many others: a long observation holds most short facts' words),
     or (with embeddings) is at cosine ``options.sure_cosine`` or nearer, or at
     ``options.sure_pair_cosine`` sharing two telling words ("Miso, my cat, is a grey tabby" of
-    "I have a cat named Miso") — ``same`` as the nearest such candidate
+    "I have a cat named Miso"), or (without) shares :data:`SURE_LINK` telling words ("Mr.
+    Jansen next door has our spare key" of "Our neighbour, Mr. Jansen, keeps a spare key to the
+    flat") — ``same`` as the nearest such candidate
     (:func:`checked_decisions` makes it an update if it says less)."""
     sure: dict[str, Decision] = {}
     for question in found.questions:
@@ -250,14 +255,12 @@ def sure_decisions(found: Candidates, options: NarrowOptions) -> dict[str, Decis
         for candidate in question.candidates:
             score = found.nearness.get((ref, candidate.ref), 0.0)
             cosines = ref in found.by_cosine
+            telling = _shared(found, ref, candidate.ref)
             certain = (
                 restates(candidate.text, question.fact.text)
                 or (cosines and score >= options.sure_cosine)
-                or (
-                    cosines
-                    and score >= options.sure_pair_cosine
-                    and _shared(found, ref, candidate.ref) >= STRONG_LINK
-                )
+                or (cosines and score >= options.sure_pair_cosine and telling >= STRONG_LINK)
+                or (not cosines and telling >= SURE_LINK)
             )
             if certain and (best is None or score > best[0]):
                 best = (score, candidate.ref)

@@ -605,3 +605,21 @@ def test_two_telling_words_at_the_pair_cosine_need_no_question() -> None:
         found = narrow.pick_candidates(given, {fact: [1.0, 0.0], old: _at(cos)}, OPTIONS)
         expected = {"f1": Decision("same", "o1")} if sure else {}
         assert narrow.sure_decisions(found, OPTIONS) == expected, (old, cos)
+
+
+def test_without_embeddings_three_telling_words_need_no_question() -> None:
+    key = (
+        "Mr. Jansen next door has our spare key.",
+        "Our neighbour, Mr. Jansen, keeps a spare key.",
+    )
+    backups = ("Database backups are kept for 35 days.", "Database backups run every night.")
+    for (fact, old), sure in [(key, True), (backups, False)]:
+        found = narrow.pick_candidates(inputs([fact], [old]), None, OPTIONS)
+        expected = {"f1": Decision("same", "o1")} if sure else {}
+        assert narrow.sure_decisions(found, OPTIONS) == expected, fact
+    # With vectors the cosine decides: three words at 0.5 are asked.
+    fact, old = key
+    found = narrow.pick_candidates(
+        inputs([fact], [old]), {fact: [1.0, 0.0], old: _at(0.5)}, OPTIONS
+    )
+    assert narrow.sure_decisions(found, OPTIONS) == {}
