@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -63,10 +62,7 @@ async def answer_pass(
     found = narrow.pick_candidates(inputs, vectors, options)
     if complete is None:
         decisions = narrow.local_decisions(found, options)
-        if log.is_enabled_for(logging.DEBUG):
-            explain = functools.partial(_explained, sure={}, doubtful=(), model={}, local=True)
-            entries = [explain(q, decisions[q.fact.ref]) for q in found.questions]
-            log.debug("v2_decisions", decisions=entries)
+        _log_decisions(found, decisions, local=True)
     else:
         decisions = await _decisions(complete, inputs, found, options)
     groups = narrow.assemble(inputs, decisions)
@@ -122,28 +118,45 @@ async def _decisions(
         if not yes:
             said[ref] = Decision(NEW)
     decisions = narrow.checked_decisions(found, {**said, **sure})
-    if log.is_enabled_for(logging.DEBUG):  # the entries cost more than the check
-        explain = functools.partial(_explained, sure=sure, doubtful=doubtful, model=model_said)
-        entries = [explain(q, decisions[q.fact.ref]) for q in found.questions]
-        log.debug("v2_decisions", decisions=entries)
+    _log_decisions(found, decisions, sure=sure, doubtful=doubtful, model=model_said)
     return decisions
+
+
+def _log_decisions(
+    found: narrow.Candidates,
+    decisions: Mapping[str, Decision],
+    *,
+    sure: Mapping[str, Decision] | None = None,
+    doubtful: Sequence[str] = (),
+    model: Mapping[str, Decision] | None = None,
+    local: bool = False,
+) -> None:
+    """The ``v2_decisions`` debug log of a pass: each fact as :func:`_explained` tells it."""
+    if log.is_enabled_for(logging.DEBUG):  # the entries cost more than the check
+        entries = [
+            _explained(
+                q, decisions[q.fact.ref], sure=sure, doubtful=doubtful, model=model, local=local
+            )
+            for q in found.questions
+        ]
+        log.debug("v2_decisions", decisions=entries)
 
 
 def _explained(
     question: Question,
     decision: Decision,
     *,
-    sure: Mapping[str, Decision],
-    doubtful: Sequence[str],
-    model: Mapping[str, Decision],
+    sure: Mapping[str, Decision] | None = None,
+    doubtful: Sequence[str] = (),
+    model: Mapping[str, Decision] | None = None,
     local: bool = False,
 ) -> dict[str, Any]:
     """One fact of the ``v2_decisions`` log: its candidates, what was applied, and how."""
     ref = question.fact.ref
-    said = model.get(ref)
+    said = (model or {}).get(ref)
     if local:
         via = "local"  # the offline consolidator: no model was asked
-    elif ref in sure:
+    elif ref in (sure or {}):
         via = "sure"
     elif ref in doubtful:
         via = "confirmed"

@@ -251,10 +251,10 @@ def sure_decisions(found: Candidates, options: NarrowOptions) -> dict[str, Decis
     sure: dict[str, Decision] = {}
     for question in found.questions:
         ref = question.fact.ref
+        cosines = ref in found.by_cosine
         best: tuple[float, str] | None = None
         for candidate in question.candidates:
             score = found.nearness.get((ref, candidate.ref), 0.0)
-            cosines = ref in found.by_cosine
             telling = _shared(found, ref, candidate.ref)
             certain = (
                 restates(candidate.text, question.fact.text)
@@ -355,9 +355,15 @@ def stronger(found: Candidates, ref: str, decision: Decision) -> Decision | None
     if not announces_change(question.fact.text):
         unseen = shared == 0 and decision.target != _nearest(found, question)
         return Decision(NEW) if unseen else None
-    if decision.kind == UPDATE and (shared >= 1 or decision.target == _nearest(found, question)):
+    if decision.kind == UPDATE and _change_links(found, question, decision.target):
         return decision
     return None
+
+
+def _change_links(found: Candidates, question: Question, target: str) -> bool:
+    """Whether a fact that announces a change is linked to candidate ``target``: it names
+    something of it (one telling word) or is the fact's nearest by cosine."""
+    return _shared(found, question.fact.ref, target) >= 1 or target == _nearest(found, question)
 
 
 def _nearest(found: Candidates, question: Question) -> str | None:
@@ -388,7 +394,6 @@ def local_decisions(found: Candidates, options: NarrowOptions) -> dict[str, Deci
         cosines = ref in found.by_cosine
         near: list[tuple[float, Shown]] = []
         change = announces_change(question.fact.text)
-        nearest = _nearest(found, question)
         for candidate in question.candidates:
             score = found.nearness.get((ref, candidate.ref), 0.0)
             if cosines:
@@ -396,7 +401,7 @@ def local_decisions(found: Candidates, options: NarrowOptions) -> dict[str, Deci
                 linked = (
                     score >= options.local_cosine
                     or (telling >= STRONG_LINK and score >= options.local_pair_cosine)
-                    or (change and (telling >= 1 or candidate.ref == nearest))
+                    or (change and _change_links(found, question, candidate.ref))
                 )
             else:
                 linked = (
