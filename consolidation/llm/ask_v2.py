@@ -104,6 +104,8 @@ async def _decisions(
     answers = await asyncio.gather(*(_decide(complete, inputs, chunk) for chunk in chunks))
     model_said = {ref: d for answer in answers for ref, d in answer.items()}
     said = {ref: narrow.clearer(found, ref, d) for ref, d in model_said.items()}
+    apart = narrow.apart(found, said)
+    said.update((ref, Decision(NEW)) for ref in apart)
     doubtful = []
     for ref in narrow.unlinked(found, said):
         better = narrow.stronger(found, ref, said[ref])
@@ -118,7 +120,7 @@ async def _decisions(
         if not yes:
             said[ref] = Decision(NEW)
     decisions = narrow.checked_decisions(found, {**said, **sure})
-    _log_decisions(found, decisions, sure=sure, doubtful=doubtful, model=model_said)
+    _log_decisions(found, decisions, sure=sure, doubtful=doubtful, apart=apart, model=model_said)
     return decisions
 
 
@@ -128,6 +130,7 @@ def _log_decisions(
     *,
     sure: Mapping[str, Decision] | None = None,
     doubtful: Sequence[str] = (),
+    apart: Sequence[str] = (),
     model: Mapping[str, Decision] | None = None,
     local: bool = False,
 ) -> None:
@@ -135,7 +138,13 @@ def _log_decisions(
     if log.is_enabled_for(logging.DEBUG):  # the entries cost more than the check
         entries = [
             _explained(
-                q, decisions[q.fact.ref], sure=sure, doubtful=doubtful, model=model, local=local
+                q,
+                decisions[q.fact.ref],
+                sure=sure,
+                doubtful=doubtful,
+                apart=apart,
+                model=model,
+                local=local,
             )
             for q in found.questions
         ]
@@ -148,6 +157,7 @@ def _explained(
     *,
     sure: Mapping[str, Decision] | None = None,
     doubtful: Sequence[str] = (),
+    apart: Sequence[str] = (),
     model: Mapping[str, Decision] | None = None,
     local: bool = False,
 ) -> dict[str, Any]:
@@ -160,6 +170,8 @@ def _explained(
         via = "sure"
     elif ref in doubtful:
         via = "confirmed"
+    elif ref in apart:
+        via = "apart"  # the candidate the model picked measures something else of the subject
     elif said is not None and said.kind != NEW and decision.kind == NEW:
         via = "unlinked"  # it shares no telling word with the candidate the model picked
     elif said is not None and said.target != decision.target:

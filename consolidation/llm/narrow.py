@@ -262,7 +262,11 @@ def sure_decisions(found: Candidates, options: NarrowOptions) -> dict[str, Decis
                 or (cosines and score >= options.sure_pair_cosine and telling >= STRONG_LINK)
                 or (not cosines and telling >= SURE_LINK)
             )
-            if certain and (best is None or score > best[0]):
+            if (
+                certain
+                and (best is None or score > best[0])
+                and not measures_other(question.fact.text, candidate.text)
+            ):
                 best = (score, candidate.ref)
         if best is not None:
             sure[ref] = Decision(SAME, best[1])
@@ -281,6 +285,60 @@ CHANGE_WORDS = frozenset(_CHANGE_TEXT.split())
 def announces_change(text: str) -> bool:
     """Whether ``text`` says outright that something changed (:data:`CHANGE_WORDS`)."""
     return not CHANGE_WORDS.isdisjoint(offline.content_words(text))
+
+
+# What a fact can measure of its subject. Two texts that each give a value, of no common kind, say
+# different things of it ("Database backups run every night at 02:00 UTC" and "Database backups
+# are kept for 35 days": when, and how long), whatever words they share.
+_NUMBER_WORDS = """
+    one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen
+    sixteen seventeen eighteen nineteen twenty thirty forty fifty sixty seventy eighty ninety
+    hundred
+"""
+_COUNT = "(?:\\d+|" + "|".join(_NUMBER_WORDS.split()) + ")"
+_MONTH = r"(?:jan|feb|mar|apr|may|jun|jul|aug|sep|oct|nov|dec)[a-z]*"
+_MEASURES = {
+    "time of day": re.compile(r"\b\d{1,2}:\d{2}\b|\b\d{1,2} ?[ap]m\b|half past|o'clock|\bnoon\b"),
+    "duration": re.compile(
+        rf"\b{_COUNT} (?:working |business )?(?:minute|hour|day|week|month|year)s?\b(?! old)"
+    ),
+    "share": re.compile(r"\d %|\d%|\bper ?cent\b"),
+    "amount of money": re.compile(
+        r"[€$£] ?\d|\d(?:k|m)? ?(?:eur|euros?|usd|dollars?|gbp|pounds?|chf)\b"
+    ),
+    "date": re.compile(rf"\b\d{{1,2}}(?:st|nd|rd|th)? {_MONTH}\b|\b{_MONTH} \d{{1,2}}\b"),
+}
+
+
+def measures(text: str) -> frozenset[str]:
+    """The kinds of value ``text`` gives (:data:`_MEASURES`): a time of day, a duration, ..."""
+    lowered = text.lower()
+    return frozenset(kind for kind, pattern in _MEASURES.items() if pattern.search(lowered))
+
+
+def measures_other(fact: str, candidate: str) -> bool:
+    """Whether ``fact`` gives a value of a kind ``candidate`` does not, which gives values of
+    other kinds only: another property of the subject, not a restatement nor an update of it.
+    A fact that announces a change may change what is measured ("Backups now run every six
+    hours" of "Backups run every night at 02:00"), so it is never told apart this way."""
+    given, other = measures(fact), measures(candidate)
+    return bool(given and other) and given.isdisjoint(other) and not announces_change(fact)
+
+
+def apart(found: Candidates, decisions: Mapping[str, Decision]) -> list[str]:
+    """The facts whose ``same``/``update`` points at a candidate that measures something else of
+    the subject (:func:`measures_other`): each is ``new``, as no question would make it more."""
+    return [
+        ref
+        for ref, decision in decisions.items()
+        if decision.kind != NEW
+        and measures_other(found.question(ref).fact.text, _text(found, ref, decision.target))
+    ]
+
+
+def _text(found: Candidates, ref: str, target: str | None) -> str:
+    """The text of candidate ``target`` of fact ``ref`` ('' for none)."""
+    return next((c.text for c in found.question(ref).candidates if c.ref == target), "")
 
 
 def _shared(found: Candidates, ref: str, target: str) -> int:
@@ -407,7 +465,7 @@ def local_decisions(found: Candidates, options: NarrowOptions) -> dict[str, Deci
                 linked = (
                     offline.similarity(question.fact.text, candidate.text) >= options.local_lexical
                 )
-            if linked:
+            if linked and not measures_other(question.fact.text, candidate.text):
                 near.append((score, candidate))
         if not near:
             decisions[ref] = Decision(NEW)

@@ -319,3 +319,22 @@ async def test_an_update_announcing_a_change_of_what_it_names_needs_no_confirmat
     assert llm.tasks() == ["decide", "rewrite"]
     (text,) = await texts_and_sources(pool, "b")
     assert "Acme" in text and "Globex" in text
+
+
+async def test_an_update_onto_an_observation_measuring_another_property_is_new_without_asking(
+    pool: asyncpg.Pool, fake: FakeLLMServer, llm: Recorder
+) -> None:
+    schedule = "Database backups run every night at 02:00 UTC."
+    await ingest(pool, "b", [memory(schedule, "01-01", ("ops",))])
+    assert (await consolidate(pool, "b", llm, V2)).status == "completed"
+    llm.requests.clear()
+    # The model takes how long backups are kept for an update of when they run: two telling
+    # words are shared, but the fact gives a duration and the observation a time of day.
+    fake.control(script=[{"content": '{"f1": "update:o1"}'}])
+    retention = "Database backups are kept for 35 days."
+    await ingest(pool, "b", [memory(retention, "02-01", ("ops",))])
+    end = await consolidate(pool, "b", llm, V2)
+    assert end.status == "completed", end.error
+    assert llm.tasks() == ["decide"]  # no confirm, no rewrite
+    assert await texts_and_sources(pool, "b") == {schedule: {schedule}, retention: {retention}}
+    await assert_consistent(pool)

@@ -623,3 +623,53 @@ def test_without_embeddings_three_telling_words_need_no_question() -> None:
         inputs([fact], [old]), {fact: [1.0, 0.0], old: _at(0.5)}, OPTIONS
     )
     assert narrow.sure_decisions(found, OPTIONS) == {}
+
+
+@pytest.mark.parametrize(
+    ("text", "kinds"),
+    [
+        ("Database backups run every night at 02:00 UTC.", {"time of day"}),
+        ("Database backups are kept for 35 days.", {"duration"}),
+        ("Every incident gets a blameless review within five working days.", {"duration"}),
+        ("Our uptime target for customers is 99.9 percent.", {"share"}),
+        ("The monthly AWS bill is about 18k EUR.", {"amount of money"}),
+        ("The Atlas launch is planned for 1 March 2026.", {"date"}),
+        ("The standup is at 9am and takes 15 minutes.", {"time of day", "duration"}),
+        ("My cat Miso turned 5 this year.", set()),  # a bare number: no kind of value
+        ("She is 35 years old.", set()),  # an age, not a duration
+        ("May I bring the city week plan?", set()),
+    ],
+)
+def test_the_kinds_of_value_a_text_gives(text: str, kinds: set[str]) -> None:
+    assert narrow.measures(text) == kinds
+
+
+def test_a_fact_measuring_another_property_of_the_subject_is_new_whatever_the_model_said() -> None:
+    given = inputs(
+        [
+            "Database backups are kept for 35 days.",  # how long; the observation says when
+            "Database backups now run every six hours.",  # announces a change of the schedule
+            "Database backups run nightly at 2am.",  # the same kind of value: a restatement
+            "Database backups are stored in S3.",  # no value: the words decide, as before
+        ],
+        ["Database backups run every night at 02:00 UTC."],
+    )
+    found = narrow.pick_candidates(given, None, narrow.NarrowOptions(lexical_floor=0.0))
+    said = {ref: Decision("update", "o1") for ref in ("f1", "f2", "f3", "f4")}
+    assert narrow.apart(found, said) == ["f1"]
+    assert narrow.apart(found, {"f1": Decision("new")}) == []
+
+
+def test_a_candidate_measuring_another_property_is_never_sure_nor_linked_without_a_model() -> None:
+    fact, old = "Database backups are kept for 35 days.", "Database backups run daily at 02:00."
+    given = inputs([fact], [old])
+    found = narrow.pick_candidates(given, {fact: [1.0, 0.0], old: _at(0.85)}, OPTIONS)
+    assert narrow.sure_decisions(found, OPTIONS) == {}
+    assert narrow.local_decisions(found, OPTIONS) == {"f1": Decision("new")}
+    # The same pair without the schedule's time is one subject by its cosine.
+    plain = "Database backups run daily."
+    found = narrow.pick_candidates(
+        inputs([fact], [plain]), {fact: [1.0, 0.0], plain: _at(0.85)}, OPTIONS
+    )
+    assert narrow.sure_decisions(found, OPTIONS) == {"f1": Decision("same", "o1")}
+    assert narrow.local_decisions(found, OPTIONS) == {"f1": Decision("update", "o1")}
