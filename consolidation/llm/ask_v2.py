@@ -95,8 +95,9 @@ async def _decisions(
 ) -> dict[str, Decision]:
     """Every fact's decision: the sure ones without a call, the rest asked; a same/update moved
     to the candidate that shares clearly more with the fact, and one whose candidate shares too
-    little moved to the one candidate that shares enough, made new when it shares nothing,
-    or else confirmed by a yes/no question."""
+    little moved to the one candidate that shares enough or made new when it shares nothing;
+    then new if its candidate measures another property of the subject, or else, when it
+    shares too little, confirmed by a yes/no question."""
     sure = narrow.sure_decisions(found, options)
     asked = [q for q in found.questions if q.fact.ref not in sure]
     size = options.facts_per_call
@@ -104,8 +105,6 @@ async def _decisions(
     answers = await asyncio.gather(*(_decide(complete, inputs, chunk) for chunk in chunks))
     model_said = {ref: d for answer in answers for ref, d in answer.items()}
     said = {ref: narrow.clearer(found, ref, d) for ref, d in model_said.items()}
-    apart = narrow.apart(found, said)
-    said.update((ref, Decision(NEW)) for ref in apart)
     doubtful = []
     for ref in narrow.unlinked(found, said):
         better = narrow.stronger(found, ref, said[ref])
@@ -113,6 +112,9 @@ async def _decisions(
             doubtful.append(ref)
         else:
             said[ref] = better
+    apart = narrow.apart(found, said)
+    said.update((ref, Decision(NEW)) for ref in apart)
+    doubtful = [ref for ref in doubtful if ref not in apart]
     confirmed = await asyncio.gather(
         *(_confirm(complete, inputs, found, ref, said[ref]) for ref in doubtful)
     )

@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from consolidation.errors import InvalidLLMOutput
-from consolidation.llm import narrow
+from consolidation.llm import ask_v2, narrow
 from consolidation.llm.prompts import FactInput, ObservationInput, build_request
 from consolidation.llm.prompts_v2 import (
     Decision,
@@ -25,6 +25,7 @@ from consolidation.llm.prompts_v2 import (
     rewrite_chat,
 )
 from consolidation.testing.fake_llm import FakeLLMConfig, FakeLLMServer
+from tests.support.engine import http_llm
 
 OPTIONS = narrow.NarrowOptions()
 
@@ -673,3 +674,35 @@ def test_a_candidate_measuring_another_property_is_never_sure_nor_linked_without
     )
     assert narrow.sure_decisions(found, OPTIONS) == {"f1": Decision("same", "o1")}
     assert narrow.local_decisions(found, OPTIONS) == {"f1": Decision("update", "o1")}
+
+
+async def test_a_weak_pick_moved_to_a_candidate_measuring_another_property_is_new() -> None:
+    # The model points at the artifacts bucket (one telling word, "S3"); the one candidate
+    # sharing two is the schedule, which measures when, not how long: the fact is new, and
+    # no confirm question is asked about either.
+    fact = "Database backups are kept for 35 days in S3."
+    observations = [
+        "S3 holds the build artifacts.",
+        "Database backups run every night at 02:00 UTC.",
+    ]
+    when = datetime(2026, 1, 1, tzinfo=UTC)
+    request = build_request(
+        "b",
+        ("ops",),
+        None,
+        [FactInput(uuid.uuid4(), fact, ("ops",), when)],
+        [ObservationInput(uuid.uuid4(), text, 1, when) for text in observations],
+    )
+    found = narrow.pick_candidates(narrow.pass_inputs(request), None, OPTIONS)
+    assert [c.text for c in found.question("f1").candidates] == observations[::-1]
+    assert narrow.stronger(found, "f1", Decision("update", "o1")) == Decision("update", "o2")
+    with FakeLLMServer(FakeLLMConfig()) as fake:
+        fake.control(script=[{"content": '{"f1": "update:o1"}'}])
+        llm = http_llm(fake.url)
+        try:
+            plan = await ask_v2.answer_pass(request, llm.complete, None, OPTIONS)
+        finally:
+            await llm.aclose()
+        assert fake.stats()["requests"] == 1  # the decide call alone
+    assert [c.text for c in plan.creates] == [fact]
+    assert plan.updates == () and plan.merges == ()
