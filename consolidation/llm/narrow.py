@@ -234,6 +234,14 @@ def pick_candidates(
                 nearness[fact.ref, other.ref] = score
                 chosen.append(other)
                 shared[fact.ref, other.ref] = len(telling_words(fact.text, other.text, common))
+        if not chosen and fact.ref not in by_cosine and announces_change(fact.text):
+            # Without vectors a new state may share no word with the old ("I started a new job
+            # at Globex" of "I work at Acme"): near nothing, it is shown every observation of
+            # the pass. (With vectors, nothing above the cosine floor is nothing near.)
+            for other in inputs.observations:
+                nearness[fact.ref, other.ref] = overlap(fact.text, other.text)
+                chosen.append(other)
+                shared[fact.ref, other.ref] = len(telling_words(fact.text, other.text, common))
         if chosen:
             questions.append(Question(fact.shown(), tuple(c.shown() for c in chosen)))
     return Candidates(tuple(questions), nearness, frozenset(by_cosine), shared)

@@ -338,3 +338,26 @@ async def test_an_update_onto_an_observation_measuring_another_property_is_new_w
     assert llm.tasks() == ["decide"]  # no confirm, no rewrite
     assert await texts_and_sources(pool, "b") == {schedule: {schedule}, retention: {retention}}
     await assert_consistent(pool)
+
+
+async def test_a_change_that_shares_no_word_with_the_old_state_is_still_asked_about_it(
+    pool: asyncpg.Pool, fake: FakeLLMServer, llm: Recorder
+) -> None:
+    await ingest(pool, "b", [memory("I work as an accountant at Acme Corp.", "01-01")])
+    assert (await consolidate(pool, "b", llm, V2)).status == "completed"
+    llm.requests.clear()
+    # Without embeddings nothing is near the new job; it announces a change, so the decide
+    # call shows it every observation, and the pick, sharing no word, is confirmed.
+    fake.control(
+        script=[
+            {"content": '{"f1": "update:o1"}'},
+            {"content": '{"same_subject": "yes"}'},
+        ]
+    )
+    await ingest(pool, "b", [memory("I started a new job as a data analyst at Globex.", "02-01")])
+    end = await consolidate(pool, "b", llm, V2)
+    assert end.status == "completed", end.error
+    assert llm.tasks() == ["decide", "confirm", "rewrite"]
+    (text,) = await texts_and_sources(pool, "b")
+    assert "Globex" in text
+    await assert_consistent(pool)

@@ -706,3 +706,19 @@ async def test_a_weak_pick_moved_to_a_candidate_measuring_another_property_is_ne
         assert fake.stats()["requests"] == 1  # the decide call alone
     assert [c.text for c in plan.creates] == [fact]
     assert plan.updates == () and plan.merges == ()
+
+
+def test_a_change_near_nothing_is_shown_every_observation_and_other_facts_none() -> None:
+    observations = ["I work as an accountant at Acme Corp.", "I live in Berlin.", "I play chess."]
+    given = inputs(["I started a new job at Globex.", "Bananas are yellow."], observations)
+    found = narrow.pick_candidates(given, None, OPTIONS)
+    assert [q.fact.ref for q in found.questions] == ["f1"]
+    assert [c.text for c in found.question("f1").candidates] == observations
+    # The model's pick of the old job shares no word with it: asked once more, not believed.
+    said = {"f1": Decision("update", "o1")}
+    assert narrow.unlinked(found, said) == ["f1"]
+    assert narrow.stronger(found, "f1", said["f1"]) is None
+    # With vectors, nothing above the cosine floor is nothing near: no question.
+    vectors = {text: [0.0, 1.0] for text in observations}
+    vectors |= {"I started a new job at Globex.": [1.0, 0.0], "Bananas are yellow.": [-1.0, 0.0]}
+    assert narrow.pick_candidates(given, vectors, OPTIONS).questions == ()
