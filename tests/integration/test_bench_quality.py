@@ -19,10 +19,17 @@ from bench.quality.judge import shortfalls
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_oracle_run_scores_100_percent_on_every_bank(pg_admin_url: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("contract", [None, "v2"])
+def test_the_oracle_run_scores_100_percent_on_every_bank(
+    pg_admin_url: str, tmp_path: Path, contract: str | None
+) -> None:
+    """The default contract, and v2 without embeddings: its candidates are word stems, and a
+    change that shares no word with the old state is shown every observation of the pass."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONSOLIDATION_")}
     command = [sys.executable, "-m", "bench", "quality", "--oracle"]
     command += ["--database-url", pg_admin_url, "--results-dir", str(tmp_path)]
+    if contract is not None:
+        command += ["--env", f"CONSOLIDATION_LLM_CONTRACT={contract}"]
     run = subprocess.run(
         command,
         cwd=ROOT,
