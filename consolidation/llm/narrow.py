@@ -297,14 +297,15 @@ def announces_change(text: str) -> bool:
 
 # What a fact can measure of its subject. Two texts that each give a value, of no common kind, say
 # different things of it ("Database backups run every night at 02:00 UTC" and "Database backups
-# are kept for 35 days": when, and how long), whatever words they share.
+# are kept for 35 days": when, and how long), whatever words they share. A calendar date is not
+# one of them: a rewrite dates the facts it folds in ("Our DBA was Anna Kowalski on September 1,
+# 2025"), so an observation's date may say when it was learnt, not what it measures.
 _NUMBER_WORDS = """
     one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen
     sixteen seventeen eighteen nineteen twenty thirty forty fifty sixty seventy eighty ninety
     hundred
 """
 _COUNT = "(?:\\d+|" + "|".join(_NUMBER_WORDS.split()) + ")"
-_MONTH = r"(?:jan|feb|mar|apr|may|jun|jul|aug|sep|oct|nov|dec)[a-z]*"
 _MEASURES = {
     "time of day": re.compile(r"\b\d{1,2}:\d{2}\b|\b\d{1,2} ?[ap]m\b|half past|o'clock|\bnoon\b"),
     "duration": re.compile(
@@ -314,7 +315,6 @@ _MEASURES = {
     "amount of money": re.compile(
         r"[€$£] ?\d|\d(?:k|m)? ?(?:eur|euros?|usd|dollars?|gbp|pounds?|chf)\b"
     ),
-    "date": re.compile(rf"\b\d{{1,2}}(?:st|nd|rd|th)? {_MONTH}\b|\b{_MONTH} \d{{1,2}}\b"),
 }
 
 
