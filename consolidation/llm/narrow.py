@@ -407,7 +407,11 @@ def stronger(found: Candidates, ref: str, decision: Decision) -> Decision | None
     09:30", sharing only the scope's name, is one a small model confirms; "The Atlas code lives
     in the internal GitLab" of the second-nearest Go backend, too). Without embeddings there is
     no nearest, so such a pick is always new; a paraphrase that shares no word but is the
-    nearest is asked."""
+    nearest is asked. A fact that announces a change and is called the ``same`` as a candidate
+    it has no link to (no telling word shared, not its nearest) is ``new`` without asking too: a
+    change restates nothing it names nothing of ("I started a new job at Globex" as the same as
+    "I go running every Sunday morning", shown every observation of the pass as it is near
+    none)."""
     assert decision.target is not None
     question = found.question(ref)
     others = [
@@ -421,9 +425,10 @@ def stronger(found: Candidates, ref: str, decision: Decision) -> Decision | None
     if not announces_change(question.fact.text):
         unseen = shared == 0 and decision.target != _nearest(found, question)
         return Decision(NEW) if unseen else None
-    if decision.kind == UPDATE and _change_links(found, question, decision.target):
+    linked = _change_links(found, question, decision.target)
+    if decision.kind == UPDATE and linked:
         return decision
-    return None
+    return Decision(NEW) if decision.kind == SAME and not linked else None
 
 
 def _change_links(found: Candidates, question: Question, target: str) -> bool:

@@ -718,6 +718,8 @@ def test_a_change_near_nothing_is_shown_every_observation_and_other_facts_none()
     said = {"f1": Decision("update", "o1")}
     assert narrow.unlinked(found, said) == ["f1"]
     assert narrow.stronger(found, "f1", said["f1"]) is None
+    # A change restates nothing it names nothing of: "same" as the chess is new, unasked.
+    assert narrow.stronger(found, "f1", Decision("same", "o3")) == Decision("new")
     # With vectors, nothing above the cosine floor is nothing near: no question.
     vectors = {text: [0.0, 1.0] for text in observations}
     vectors |= {"I started a new job at Globex.": [1.0, 0.0], "Bananas are yellow.": [-1.0, 0.0]}
