@@ -184,16 +184,12 @@ def _explained(
         "fact": question.fact.text,
         "candidates": [c.text for c in question.candidates],
         "decision": decision.kind,
-        "target": _text_of(question, decision.target),
+        "target": narrow.candidate_text(question, decision.target),
         "via": via,
         "model_said": None
         if said is None
-        else f"{said.kind} {_text_of(question, said.target) or ''}".strip(),
+        else f"{said.kind} {narrow.candidate_text(question, said.target) or ''}".strip(),
     }
-
-
-def _text_of(question: Question, ref: str | None) -> str | None:
-    return next((c.text for c in question.candidates if c.ref == ref), None)
 
 
 async def _confirm(

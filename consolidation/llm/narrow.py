@@ -233,15 +233,14 @@ def pick_candidates(
             for score, _, other in scored[: options.candidates]:
                 nearness[fact.ref, other.ref] = score
                 chosen.append(other)
-                shared[fact.ref, other.ref] = len(telling_words(fact.text, other.text, common))
         if not chosen and fact.ref not in by_cosine and announces_change(fact.text):
             # Without vectors a new state may share no word with the old ("I started a new job
             # at Globex" of "I work at Acme"): near nothing, it is shown every observation of
             # the pass. (With vectors, nothing above the cosine floor is nothing near.)
-            for other in inputs.observations:
-                nearness[fact.ref, other.ref] = overlap(fact.text, other.text)
-                chosen.append(other)
-                shared[fact.ref, other.ref] = len(telling_words(fact.text, other.text, common))
+            chosen = list(inputs.observations)
+            nearness.update(((fact.ref, o.ref), overlap(fact.text, o.text)) for o in chosen)
+        for other in chosen:
+            shared[fact.ref, other.ref] = len(telling_words(fact.text, other.text, common))
         if chosen:
             questions.append(Question(fact.shown(), tuple(c.shown() for c in chosen)))
     return Candidates(tuple(questions), nearness, frozenset(by_cosine), shared)
@@ -340,13 +339,16 @@ def apart(found: Candidates, decisions: Mapping[str, Decision]) -> list[str]:
         ref
         for ref, decision in decisions.items()
         if decision.kind != NEW
-        and measures_other(found.question(ref).fact.text, _text(found, ref, decision.target))
+        and measures_other(
+            found.question(ref).fact.text,
+            candidate_text(found.question(ref), decision.target) or "",
+        )
     ]
 
 
-def _text(found: Candidates, ref: str, target: str | None) -> str:
-    """The text of candidate ``target`` of fact ``ref`` ('' for none)."""
-    return next((c.text for c in found.question(ref).candidates if c.ref == target), "")
+def candidate_text(question: Question, ref: str | None) -> str | None:
+    """The text of ``question``'s candidate ``ref``; None if it has no such candidate."""
+    return next((c.text for c in question.candidates if c.ref == ref), None)
 
 
 def _shared(found: Candidates, ref: str, target: str) -> int:
