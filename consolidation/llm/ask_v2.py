@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -138,18 +139,10 @@ def _log_decisions(
 ) -> None:
     """The ``v2_decisions`` debug log of a pass: each fact as :func:`_explained` tells it."""
     if log.is_enabled_for(logging.DEBUG):  # the entries cost more than the check
-        entries = [
-            _explained(
-                q,
-                decisions[q.fact.ref],
-                sure=sure,
-                doubtful=doubtful,
-                apart=apart,
-                model=model,
-                local=local,
-            )
-            for q in found.questions
-        ]
+        explain = functools.partial(
+            _explained, sure=sure, doubtful=doubtful, apart=apart, model=model, local=local
+        )
+        entries = [explain(q, decisions[q.fact.ref]) for q in found.questions]
         log.debug("v2_decisions", decisions=entries)
 
 

@@ -335,15 +335,14 @@ def measures_other(fact: str, candidate: str) -> bool:
 def apart(found: Candidates, decisions: Mapping[str, Decision]) -> list[str]:
     """The facts whose ``same``/``update`` points at a candidate that measures something else of
     the subject (:func:`measures_other`): each is ``new``, as no question would make it more."""
-    return [
-        ref
-        for ref, decision in decisions.items()
-        if decision.kind != NEW
-        and measures_other(
-            found.question(ref).fact.text,
-            candidate_text(found.question(ref), decision.target) or "",
-        )
-    ]
+    apart: list[str] = []
+    for ref, decision in decisions.items():
+        if decision.kind == NEW:
+            continue
+        question = found.question(ref)
+        if measures_other(question.fact.text, candidate_text(question, decision.target) or ""):
+            apart.append(ref)
+    return apart
 
 
 def candidate_text(question: Question, ref: str | None) -> str | None:
@@ -504,8 +503,7 @@ def checked_decisions(found: Candidates, decisions: Mapping[str, Decision]) -> d
         decision = decisions.get(question.fact.ref)
         if decision is None or decision.kind != SAME:
             continue
-        target = next(c for c in question.candidates if c.ref == decision.target)
-        if not says_all(target.text, question.fact.text):
+        if not says_all(candidate_text(question, decision.target) or "", question.fact.text):
             checked[question.fact.ref] = Decision(UPDATE, decision.target)
     return checked
 
