@@ -53,14 +53,14 @@ async def answer_pass(
     inputs = narrow.pass_inputs(request)
     vectors = None
     if embed is not None:
-        texts = list(dict.fromkeys(i.text for i in (*inputs.facts, *inputs.observations)))
+        texts = narrow.embedded_texts(inputs, by_sentence=complete is None)
         embedded = await embed(texts)
         vectors = {
             text: orjson.loads(vector)
             for text, vector in zip(texts, embedded, strict=True)
             if vector is not None
         }
-    found = narrow.pick_candidates(inputs, vectors, options)
+    found = narrow.pick_candidates(inputs, vectors, options, by_sentence=complete is None)
     if complete is None:
         decisions = narrow.local_decisions(found, options)
         _log_decisions(found, decisions, local=True)

@@ -202,12 +202,66 @@ STRONG_LINK = 2
 SURE_LINK = 3
 
 
+# Where an observation's text is cut into sentences: after a full stop, question or exclamation
+# mark that a capital or a digit follows, except after a title or an initial ("Dr. Okafor",
+# "Ursula K. Le Guin").
+_SENTENCE_BREAK = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'])")
+_NOT_AN_END = re.compile(r"(?:\b(?:Dr|Mr|Mrs|Ms|Prof|St|Jr|Sr|vs|No|Mt)|\b[A-Z])\.\Z")
+# The date :func:`join` puts before each sentence it adds.
+_AS_OF = re.compile(r"\AAs of \d{4}-\d{2}-\d{2}: ")
+
+
+def sentences(text: str) -> tuple[str, ...]:
+    """The sentences of ``text``, without the dates :func:`join` puts before them ("As of
+    2025-07-19: Miso, my cat, is a grey tabby." is "Miso, my cat, is a grey tabby.")."""
+    parts: list[str] = []
+    for piece in _SENTENCE_BREAK.split(" ".join(text.split())):
+        if parts and _NOT_AN_END.search(parts[-1]):
+            parts[-1] = f"{parts[-1]} {piece}"
+        else:
+            parts.append(piece)
+    return tuple(_AS_OF.sub("", part) for part in parts)
+
+
+def embedded_texts(inputs: PassInputs, *, by_sentence: bool = False) -> list[str]:
+    """The texts of the pass whose vectors :func:`pick_candidates` uses, each once: the facts,
+    the observations and, ``by_sentence``, each sentence of an observation of several."""
+    texts = [item.text for item in (*inputs.facts, *inputs.observations)]
+    for observation in inputs.observations if by_sentence else ():
+        parts = sentences(observation.text)
+        if len(parts) > 1:
+            texts.extend(parts)
+    return list(dict.fromkeys(texts))
+
+
+def _observation_cosine(
+    fact_vector: Vector, observation: Item, vector: Vector, vectors: Mapping[str, Vector]
+) -> float:
+    """How near a fact is to an observation: the cosine to its whole text or, nearer, to one of
+    its sentences. An observation grows a sentence at a time, and the cosine to the whole text
+    falls as it grows ("My cat Miso turned 5 this year": 0.68 to "I have a cat named Miso.",
+    0.63 once "Miso, my cat, is a grey tabby." has joined it)."""
+    parts = sentences(observation.text)
+    near = [vectors[part] for part in parts if part in vectors] if len(parts) > 1 else []
+    return max(cosine(fact_vector, v) for v in (vector, *near))
+
+
 def pick_candidates(
-    inputs: PassInputs, vectors: Mapping[str, Vector] | None, options: NarrowOptions
+    inputs: PassInputs,
+    vectors: Mapping[str, Vector] | None,
+    options: NarrowOptions,
+    *,
+    by_sentence: bool = False,
 ) -> Candidates:
     """For each fact, its ``options.candidates`` nearest observations and as many nearest
-    earlier facts of the pass, above the floor: cosine when both texts have vectors, else
-    the overlap of their word stems (:func:`overlap`)."""
+    earlier facts of the pass, above the floor: cosine when both texts have vectors (with
+    ``by_sentence``, to an observation's whole text or its nearest sentence,
+    :func:`_observation_cosine`), else the overlap of their word stems (:func:`overlap`).
+
+    Only the offline consolidator goes by sentence: its links are cosine thresholds, which a
+    grown observation falls below. A model is shown the candidates in the order of their
+    nearness, and the 1.5B model's picks change with that order; going by sentence there kept
+    every quality figure and cost tokens (docs/quality.md)."""
     questions: list[Question] = []
     nearness: dict[tuple[str, str], float] = {}
     by_cosine: set[str] = set()
@@ -222,7 +276,13 @@ def pick_candidates(
             for position, other in enumerate(pool):
                 other_vector = vectors.get(other.text) if vectors is not None else None
                 if fact_vector is not None and other_vector is not None:
-                    score, floor = cosine(fact_vector, other_vector), options.cosine_floor
+                    assert vectors is not None
+                    score = (
+                        _observation_cosine(fact_vector, other, other_vector, vectors)
+                        if by_sentence and other.ref.startswith("o")
+                        else cosine(fact_vector, other_vector)
+                    )
+                    floor = options.cosine_floor
                     by_cosine.add(fact.ref)
                 else:
                     score = overlap(fact.text, other.text)

@@ -228,6 +228,31 @@ async def test_the_offline_consolidator_with_embeddings_collapses_twins_without_
     }
 
 
+async def test_the_offline_consolidator_links_a_fact_to_the_sentence_of_a_long_observation_it_restates(
+    vector_pool: asyncpg.Pool, fake: FakeLLMServer, embedder: HTTPEmbedder
+) -> None:
+    from consolidation import queue
+    from consolidation.engine import run_operation
+
+    grown = (
+        "Alice has a cat named Miso. She is a grey tabby who sleeps on the sofa, chases birds in"
+        " the garden and hates the vet."
+    )
+    restated = "Alice owns a cat named Miso."
+    # The fake's vectors put the fact at about 0.51 of the whole text, under the offline
+    # consolidator's link, and at 0.89 of its first sentence.
+    for text, day in ((grown, "01-01"), (restated, "02-01")):
+        await ingest(vector_pool, "b", [memory(text, day)])
+        lease = await queue.start_foreground(vector_pool, "b", "test-worker", 30)
+        end = await run_operation(
+            vector_pool, lease, OfflineConsolidator(), Settings(), embedder=embedder
+        )
+        assert end.status == "completed", end.error
+    assert fake.stats()["requests"] == 0
+    observations = await texts_and_sources(vector_pool, "b")
+    assert observations == {f"{grown} As of 2026-02-01: {restated}": {grown, restated}}
+
+
 async def test_facts_per_call_puts_several_facts_in_one_decide_call(
     pool: asyncpg.Pool, llm: Recorder
 ) -> None:

@@ -123,6 +123,55 @@ def test_with_vectors_candidates_are_the_nearest_above_the_cosine_floor() -> Non
     assert asked == {"f1": ["o3"], "f2": ["o2"]}
 
 
+def test_an_observation_is_cut_into_its_sentences_without_the_dates_a_join_adds() -> None:
+    joined = narrow.join(
+        Shown("o1", "I have a cat named Miso.", None),
+        [Shown("f1", "Miso, my cat, is a grey tabby.", "2025-07-19T00:00:00Z")],
+    )
+    assert narrow.sentences(joined) == (
+        "I have a cat named Miso.",
+        "Miso, my cat, is a grey tabby.",
+    )
+    assert narrow.sentences("My GP is Dr. Okafor. Ursula K. Le Guin wrote it. Backups: 02:00.") == (
+        "My GP is Dr. Okafor.",
+        "Ursula K. Le Guin wrote it.",
+        "Backups: 02:00.",
+    )
+    assert narrow.sentences("Version 1.29 runs on EKS.") == ("Version 1.29 runs on EKS.",)
+
+
+def test_a_fact_is_as_near_an_observation_as_its_nearest_sentence() -> None:
+    grown = "I have a cat named Miso. Miso, my cat, is a grey tabby."
+    given = inputs(["My cat Miso turned 5."], [grown, "I live in Paris."])
+    assert narrow.embedded_texts(given) == ["My cat Miso turned 5.", grown, "I live in Paris."]
+    assert narrow.embedded_texts(given, by_sentence=True) == [
+        "My cat Miso turned 5.",
+        grown,
+        "I live in Paris.",
+        "I have a cat named Miso.",
+        "Miso, my cat, is a grey tabby.",
+    ]
+    vectors = {
+        "My cat Miso turned 5.": [1.0, 0.0],
+        grown: [0.5, 0.866],  # cosine 0.5: the whole text, diluted by its second sentence
+        "I have a cat named Miso.": [0.9, 0.436],  # cosine 0.9
+        "Miso, my cat, is a grey tabby.": [0.0, 1.0],
+        "I live in Paris.": [0.6, 0.8],  # cosine 0.6, nearer than the whole grown text
+    }
+    one = narrow.NarrowOptions(candidates=1)
+    found = narrow.pick_candidates(given, vectors, one, by_sentence=True)
+    (question,) = found.questions
+    assert [c.ref for c in question.candidates] == ["o1"]
+    assert found.nearness["f1", "o1"] == pytest.approx(0.9, abs=0.01)
+    # Not by sentence (a model's candidates), or without the sentences' vectors, only the whole
+    # text counts.
+    found = narrow.pick_candidates(given, vectors, one)
+    assert [c.ref for c in found.questions[0].candidates] == ["o2"]
+    del vectors["I have a cat named Miso."]
+    found = narrow.pick_candidates(given, vectors, one, by_sentence=True)
+    assert [c.ref for c in found.questions[0].candidates] == ["o2"]
+
+
 def test_the_engine_assembles_the_plan_so_new_facts_keep_their_own_text() -> None:
     given = inputs(
         ["Alice lives in Berlin.", "Bob plays the cello.", "Alice lives in Berlin.", "Alice runs."],
