@@ -199,12 +199,19 @@ async def embedder(fake: FakeLLMServer) -> AsyncIterator[HTTPEmbedder]:
     await client.aclose()
 
 
-async def test_the_offline_consolidator_with_embeddings_collapses_twins_without_a_call(
-    vector_pool: asyncpg.Pool, fake: FakeLLMServer, embedder: HTTPEmbedder
-) -> None:
+async def consolidate_offline(pool: asyncpg.Pool, embedder: HTTPEmbedder) -> None:
+    """One operation of bank ``b`` by the offline consolidator with embeddings, to the end."""
     from consolidation import queue
     from consolidation.engine import run_operation
 
+    lease = await queue.start_foreground(pool, "b", "test-worker", 30)
+    end = await run_operation(pool, lease, OfflineConsolidator(), Settings(), embedder=embedder)
+    assert end.status == "completed", end.error
+
+
+async def test_the_offline_consolidator_with_embeddings_collapses_twins_without_a_call(
+    vector_pool: asyncpg.Pool, fake: FakeLLMServer, embedder: HTTPEmbedder
+) -> None:
     await ingest(
         vector_pool,
         "b",
@@ -215,11 +222,7 @@ async def test_the_offline_consolidator_with_embeddings_collapses_twins_without_
             memory("Alice adores green tea.", "01-04"),
         ],
     )
-    lease = await queue.start_foreground(vector_pool, "b", "test-worker", 30)
-    end = await run_operation(
-        vector_pool, lease, OfflineConsolidator(), Settings(), embedder=embedder
-    )
-    assert end.status == "completed", end.error
+    await consolidate_offline(vector_pool, embedder)
     assert fake.stats()["requests"] == 0
     observations = await texts_and_sources(vector_pool, "b")
     assert observations == {
@@ -231,9 +234,6 @@ async def test_the_offline_consolidator_with_embeddings_collapses_twins_without_
 async def test_the_offline_consolidator_links_a_fact_to_the_sentence_of_a_long_observation_it_restates(
     vector_pool: asyncpg.Pool, fake: FakeLLMServer, embedder: HTTPEmbedder
 ) -> None:
-    from consolidation import queue
-    from consolidation.engine import run_operation
-
     grown = (
         "Alice has a cat named Miso. She is a grey tabby who sleeps on the sofa, chases birds in"
         " the garden and hates the vet."
@@ -243,11 +243,7 @@ async def test_the_offline_consolidator_links_a_fact_to_the_sentence_of_a_long_o
     # consolidator's link, and at 0.89 of its first sentence.
     for text, day in ((grown, "01-01"), (restated, "02-01")):
         await ingest(vector_pool, "b", [memory(text, day)])
-        lease = await queue.start_foreground(vector_pool, "b", "test-worker", 30)
-        end = await run_operation(
-            vector_pool, lease, OfflineConsolidator(), Settings(), embedder=embedder
-        )
-        assert end.status == "completed", end.error
+        await consolidate_offline(vector_pool, embedder)
     assert fake.stats()["requests"] == 0
     observations = await texts_and_sources(vector_pool, "b")
     assert observations == {f"{grown} As of 2026-02-01: {restated}": {grown, restated}}
