@@ -468,8 +468,12 @@ def stronger(found: Candidates, ref: str, decision: Decision) -> Decision | None
     09:30", sharing only the scope's name, is one a small model confirms; "The Atlas code lives
     in the internal GitLab" of the second-nearest Go backend, too). Without embeddings there is
     no nearest, so such a pick is always new; a paraphrase that shares no word but is the
-    nearest is asked. A fact that announces a change and is called the ``same`` as a candidate
-    it has no link to (no telling word shared, not its nearest) is ``new`` without asking too: a
+    nearest is asked. A fact that announces a change, pointed at a candidate it has no link to
+    (no telling word shared, not its nearest) while exactly one other candidate names something
+    of it, gets the same kind of decision on that one, as an announced change stands on one word
+    ("I'm settled in Berlin now, living in Kreuzberg" as an update of "My sister Anna lives in
+    Vienna", with the residence's "... I moved from Paris to Berlin" beside it). Else a change
+    called the ``same`` as a candidate it has no link to is ``new`` without asking too: a
     change restates nothing it names nothing of ("I started a new job at Globex" as the same as
     "I go running every Sunday morning", shown every observation of the pass as it is near
     none)."""
@@ -487,6 +491,14 @@ def stronger(found: Candidates, ref: str, decision: Decision) -> Decision | None
         unseen = shared == 0 and decision.target != _nearest(found, question)
         return Decision(NEW) if unseen else None
     linked = _change_links(found, question, decision.target)
+    if not linked:
+        named = [
+            c.ref
+            for c in question.candidates
+            if c.ref != decision.target and _shared(found, ref, c.ref) >= 1
+        ]
+        if len(named) == 1:
+            return Decision(decision.kind, named[0])
     if decision.kind == UPDATE and linked:
         return decision
     return Decision(NEW) if decision.kind == SAME and not linked else None

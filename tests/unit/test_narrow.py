@@ -566,6 +566,36 @@ def test_a_pick_moves_to_the_candidate_that_shares_clearly_more() -> None:
     assert narrow.clearer(found, "f1", Decision("update", "o2")) == Decision("update", "o2")
 
 
+def test_a_change_pointed_at_what_it_names_nothing_of_moves_to_the_one_it_names() -> None:
+    three = narrow.NarrowOptions(lexical_floor=0.0, candidates=3)
+    given = inputs(
+        ["I'm settled in Berlin now, living in Kreuzberg."],
+        [
+            "My sister Anna lives in Vienna.",
+            "I live in Paris. I moved from Paris to Berlin last week.",
+            "I drink my coffee black.",
+        ],
+    )
+    found = narrow.pick_candidates(given, None, three)
+    assert [found.shared["f1", o] for o in ("o1", "o2", "o3")] == [0, 1, 0]
+    for kind in ("update", "same"):
+        moved = narrow.stronger(found, "f1", Decision(kind, "o1"))
+        assert moved == Decision(kind, "o2")
+    # Two candidates that each name something of it: no sign which, the pick is asked about
+    # (an update) or new (a same), as before.
+    both = inputs(
+        ["I'm settled in Berlin now, living in Kreuzberg."],
+        [
+            "My sister Anna lives in Vienna.",
+            "I live in Paris. I moved from Paris to Berlin last week.",
+            "My brother studies in Berlin.",
+        ],
+    )
+    found = narrow.pick_candidates(both, None, three)
+    assert narrow.stronger(found, "f1", Decision("update", "o1")) is None
+    assert narrow.stronger(found, "f1", Decision("same", "o1")) == Decision("new")
+
+
 def test_an_announced_change_stands_on_its_nearest_candidate_by_cosine() -> None:
     # "A new job at Globex" shares no word with "I work as an accountant at Acme": by cosine
     # the Acme observation is its nearest candidate, and the change announced stands there;
