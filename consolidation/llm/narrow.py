@@ -223,27 +223,19 @@ def sentences(text: str) -> tuple[str, ...]:
     return tuple(_AS_OF.sub("", part) for part in parts)
 
 
+def _several_sentences(text: str) -> tuple[str, ...]:
+    """The sentences of ``text`` when it has several (:func:`sentences`), else none."""
+    parts = sentences(text)
+    return parts if len(parts) > 1 else ()
+
+
 def embedded_texts(inputs: PassInputs, *, by_sentence: bool = False) -> list[str]:
     """The texts of the pass whose vectors :func:`pick_candidates` uses, each once: the facts,
     the observations and, ``by_sentence``, each sentence of an observation of several."""
     texts = [item.text for item in (*inputs.facts, *inputs.observations)]
     for observation in inputs.observations if by_sentence else ():
-        parts = sentences(observation.text)
-        if len(parts) > 1:
-            texts.extend(parts)
+        texts.extend(_several_sentences(observation.text))
     return list(dict.fromkeys(texts))
-
-
-def _observation_cosine(
-    fact_vector: Vector, observation: Item, vector: Vector, vectors: Mapping[str, Vector]
-) -> float:
-    """How near a fact is to an observation: the cosine to its whole text or, nearer, to one of
-    its sentences. An observation grows a sentence at a time, and the cosine to the whole text
-    falls as it grows ("My cat Miso turned 5 this year": 0.68 to "I have a cat named Miso.",
-    0.63 once "Miso, my cat, is a grey tabby." has joined it)."""
-    parts = sentences(observation.text)
-    near = [vectors[part] for part in parts if part in vectors] if len(parts) > 1 else []
-    return max(cosine(fact_vector, v) for v in (vector, *near))
 
 
 def pick_candidates(
@@ -255,8 +247,11 @@ def pick_candidates(
 ) -> Candidates:
     """For each fact, its ``options.candidates`` nearest observations and as many nearest
     earlier facts of the pass, above the floor: cosine when both texts have vectors (with
-    ``by_sentence``, to an observation's whole text or its nearest sentence,
-    :func:`_observation_cosine`), else the overlap of their word stems (:func:`overlap`).
+    ``by_sentence``,
+    to the nearer of an observation's whole text and its nearest sentence), else the overlap of
+    their word stems (:func:`overlap`). An observation grows a sentence at a time, and the cosine
+    to the whole text falls as it grows ("My cat Miso turned 5 this year": 0.68 to "I have a cat
+    named Miso.", 0.63 once "Miso, my cat, is a grey tabby." has joined it).
 
     Only the offline consolidator goes by sentence: its links are cosine thresholds, which a
     grown observation falls below. A model is shown the candidates in the order of their
@@ -268,20 +263,23 @@ def pick_candidates(
     shared: dict[tuple[str, str], int] = {}
     common = common_stems(item.text for item in (*inputs.facts, *inputs.observations))
     common |= scope_stems(inputs.scope)
+    # Each text's vectors by ref: its own, then (an observation's, by sentence) its sentences'.
+    known = vectors or {}
+    near_vectors: dict[str, list[Vector]] = {}
+    for item in (*inputs.facts, *inputs.observations):
+        if item.text in known:
+            several = by_sentence and item.ref.startswith("o")
+            parts = _several_sentences(item.text) if several else ()
+            near_vectors[item.ref] = [known[t] for t in (item.text, *parts) if t in known]
     for index, fact in enumerate(inputs.facts):
-        fact_vector = vectors.get(fact.text) if vectors is not None else None
+        fact_vector = known.get(fact.text)
         chosen: list[Item] = []
         for pool in (inputs.observations, inputs.facts[:index]):
             scored: list[tuple[float, int, Item]] = []
             for position, other in enumerate(pool):
-                other_vector = vectors.get(other.text) if vectors is not None else None
-                if fact_vector is not None and other_vector is not None:
-                    assert vectors is not None
-                    score = (
-                        _observation_cosine(fact_vector, other, other_vector, vectors)
-                        if by_sentence and other.ref.startswith("o")
-                        else cosine(fact_vector, other_vector)
-                    )
+                other_vectors = near_vectors.get(other.ref)
+                if fact_vector is not None and other_vectors:
+                    score = max(cosine(fact_vector, v) for v in other_vectors)
                     floor = options.cosine_floor
                     by_cosine.add(fact.ref)
                 else:
@@ -479,11 +477,7 @@ def stronger(found: Candidates, ref: str, decision: Decision) -> Decision | None
     none)."""
     assert decision.target is not None
     question = found.question(ref)
-    others = [
-        c.ref
-        for c in question.candidates
-        if c.ref != decision.target and _shared(found, ref, c.ref) >= STRONG_LINK
-    ]
+    others = _others_sharing(found, question, decision.target, STRONG_LINK)
     if len(others) == 1:
         return Decision(decision.kind, others[0])
     shared = _shared(found, ref, decision.target)
@@ -492,16 +486,23 @@ def stronger(found: Candidates, ref: str, decision: Decision) -> Decision | None
         return Decision(NEW) if unseen else None
     linked = _change_links(found, question, decision.target)
     if not linked:
-        named = [
-            c.ref
-            for c in question.candidates
-            if c.ref != decision.target and _shared(found, ref, c.ref) >= 1
-        ]
+        named = _others_sharing(found, question, decision.target, 1)
         if len(named) == 1:
             return Decision(decision.kind, named[0])
     if decision.kind == UPDATE and linked:
         return decision
     return Decision(NEW) if decision.kind == SAME and not linked else None
+
+
+def _others_sharing(found: Candidates, question: Question, target: str, words: int) -> list[str]:
+    """The candidates of ``question`` but ``target`` that share ``words`` telling words or more
+    with its fact."""
+    ref = question.fact.ref
+    return [
+        c.ref
+        for c in question.candidates
+        if c.ref != target and _shared(found, ref, c.ref) >= words
+    ]
 
 
 def _change_links(found: Candidates, question: Question, target: str) -> bool:

@@ -567,31 +567,27 @@ def test_a_pick_moves_to_the_candidate_that_shares_clearly_more() -> None:
 
 
 def test_a_change_pointed_at_what_it_names_nothing_of_moves_to_the_one_it_names() -> None:
-    three = narrow.NarrowOptions(lexical_floor=0.0, candidates=3)
-    given = inputs(
-        ["I'm settled in Berlin now, living in Kreuzberg."],
-        [
-            "My sister Anna lives in Vienna.",
-            "I live in Paris. I moved from Paris to Berlin last week.",
-            "I drink my coffee black.",
-        ],
-    )
-    found = narrow.pick_candidates(given, None, three)
+    def beside(third: str) -> narrow.Candidates:
+        given = inputs(
+            ["I'm settled in Berlin now, living in Kreuzberg."],
+            [
+                "My sister Anna lives in Vienna.",
+                "I live in Paris. I moved from Paris to Berlin last week.",
+                third,
+            ],
+        )
+        return narrow.pick_candidates(
+            given, None, narrow.NarrowOptions(lexical_floor=0.0, candidates=3)
+        )
+
+    found = beside("I drink my coffee black.")
     assert [found.shared["f1", o] for o in ("o1", "o2", "o3")] == [0, 1, 0]
     for kind in ("update", "same"):
         moved = narrow.stronger(found, "f1", Decision(kind, "o1"))
         assert moved == Decision(kind, "o2")
     # Two candidates that each name something of it: no sign which, the pick is asked about
     # (an update) or new (a same), as before.
-    both = inputs(
-        ["I'm settled in Berlin now, living in Kreuzberg."],
-        [
-            "My sister Anna lives in Vienna.",
-            "I live in Paris. I moved from Paris to Berlin last week.",
-            "My brother studies in Berlin.",
-        ],
-    )
-    found = narrow.pick_candidates(both, None, three)
+    found = beside("My brother studies in Berlin.")
     assert narrow.stronger(found, "f1", Decision("update", "o1")) is None
     assert narrow.stronger(found, "f1", Decision("same", "o1")) == Decision("new")
 
