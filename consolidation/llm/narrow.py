@@ -53,6 +53,10 @@ class NarrowOptions:
 
     candidates: int = 2  # nearest observations per fact, and as many earlier facts
     cosine_floor: float = 0.4  # with embeddings: no candidate below it
+    # ... but for a fact that announces a change (:func:`announces_change`), this one: a new
+    # state says other things than the old ("stocked through Kestrel" of "we order from
+    # Pemberton": 0.39).
+    change_cosine_floor: float = 0.3
     lexical_floor: float = 0.2  # without: a stem overlap (:func:`overlap`) below it is none
     facts_per_call: int = 1  # a small model compares one fact with its candidates far better
     # With a model: a candidate at least this near (cosine) is the same subject without asking.
@@ -129,15 +133,32 @@ class Candidates:
     by_cosine: frozenset[str]  # the facts whose nearness is a cosine (else lexical)
     # How many telling words (:func:`telling_words`) each (fact ref, candidate ref) shares.
     shared: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    # How many stems of each fact's own could tell its subject (:func:`own_telling_words`).
+    telling: Mapping[str, int] = field(default_factory=dict)
 
     def question(self, ref: str) -> Question:
         return next(q for q in self.questions if q.fact.ref == ref)
 
 
 _SUFFIXES = ("ing", "ed", "es", "s")
+# Counts in words, as :func:`_stem` writes them in digits ("no more than forty people" and
+# "capped at 40 seats"), but for "one", as often a pronoun ("the old one"), and "hundred".
+_NUMBER_WORDS = """
+    one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen
+    sixteen seventeen eighteen nineteen twenty thirty forty fifty sixty seventy eighty ninety
+    hundred
+"""
+_NUMBER_VALUES = (*range(1, 21), *range(30, 100, 10), 100)
+_COUNTS = {
+    word: str(value)
+    for word, value in zip(_NUMBER_WORDS.split(), _NUMBER_VALUES, strict=True)
+    if word not in ("one", "hundred")
+}
 
 
 def _stem(word: str) -> str:
+    if word in _COUNTS:
+        return _COUNTS[word]
     for suffix in _SUFFIXES:
         if word.endswith(suffix) and len(word) - len(suffix) >= 3:
             word = word[: -len(suffix)]
@@ -191,8 +212,18 @@ def telling_words(a: str, b: str, common: frozenset[str]) -> frozenset[str]:
     """The stems ``a`` and ``b`` share that can tell a subject: neither common in the pass, nor
     a bare number (a year or a count two unrelated facts may both give), nor a word that says
     how or how often (``_GENERIC_TEXT``)."""
-    shared = (_stems(a) & _stems(b)) - common
-    return frozenset(stem for stem in shared if not stem.isdigit() and stem not in _GENERIC_STEMS)
+    return _telling(_stems(a) & _stems(b), common)
+
+
+def own_telling_words(text: str, common: frozenset[str]) -> frozenset[str]:
+    """The stems of ``text`` that could tell its subject, as :func:`telling_words` counts them."""
+    return _telling(_stems(text), common)
+
+
+def _telling(stems: frozenset[str], common: frozenset[str]) -> frozenset[str]:
+    return frozenset(
+        stem for stem in stems - common if not stem.isdigit() and stem not in _GENERIC_STEMS
+    )
 
 
 # A same/update whose fact and candidate share fewer telling words than this is asked once more.
@@ -261,6 +292,7 @@ def pick_candidates(
     nearness: dict[tuple[str, str], float] = {}
     by_cosine: set[str] = set()
     shared: dict[tuple[str, str], int] = {}
+    telling: dict[str, int] = {}
     common = common_stems(item.text for item in (*inputs.facts, *inputs.observations))
     common |= scope_stems(inputs.scope)
     # Each text's vectors by ref: its own, then (an observation's, by sentence) its sentences'.
@@ -273,6 +305,7 @@ def pick_candidates(
             near_vectors[item.ref] = [known[t] for t in (item.text, *parts) if t in known]
     for index, fact in enumerate(inputs.facts):
         fact_vector = known.get(fact.text)
+        change = announces_change(fact.text)
         chosen: list[Item] = []
         for pool in (inputs.observations, inputs.facts[:index]):
             scored: list[tuple[float, int, Item]] = []
@@ -280,7 +313,7 @@ def pick_candidates(
                 other_vectors = near_vectors.get(other.ref)
                 if fact_vector is not None and other_vectors:
                     score = max(cosine(fact_vector, v) for v in other_vectors)
-                    floor = options.cosine_floor
+                    floor = options.change_cosine_floor if change else options.cosine_floor
                     by_cosine.add(fact.ref)
                 else:
                     score = overlap(fact.text, other.text)
@@ -291,17 +324,18 @@ def pick_candidates(
             for score, _, other in scored[: options.candidates]:
                 nearness[fact.ref, other.ref] = score
                 chosen.append(other)
-        if not chosen and fact.ref not in by_cosine and announces_change(fact.text):
+        if not chosen and fact.ref not in by_cosine and change:
             # Without vectors a new state may share no word with the old ("I started a new job
             # at Globex" of "I work at Acme"): near nothing, it is shown every observation of
             # the pass. (With vectors, nothing above the cosine floor is nothing near.)
             chosen = list(inputs.observations)
             nearness.update(((fact.ref, o.ref), overlap(fact.text, o.text)) for o in chosen)
+        telling[fact.ref] = len(own_telling_words(fact.text, common))
         for other in chosen:
             shared[fact.ref, other.ref] = len(telling_words(fact.text, other.text, common))
         if chosen:
             questions.append(Question(fact.shown(), tuple(c.shown() for c in chosen)))
-    return Candidates(tuple(questions), nearness, frozenset(by_cosine), shared)
+    return Candidates(tuple(questions), nearness, frozenset(by_cosine), shared, telling)
 
 
 def sure_decisions(found: Candidates, options: NarrowOptions) -> dict[str, Decision]:
@@ -309,14 +343,17 @@ def sure_decisions(found: Candidates, options: NarrowOptions) -> dict[str, Decis
     same words (not merely among many others: a long observation holds most short facts' words),
     or (with embeddings) is at cosine ``options.sure_cosine`` or nearer, or at
     ``options.sure_pair_cosine`` sharing two telling words ("Miso, my cat, is a grey tabby" of
-    "I have a cat named Miso"), or (without) shares :data:`SURE_LINK` telling words ("Mr.
-    Jansen next door has our spare key" of "Our neighbour, Mr. Jansen, keeps a spare key to the
-    flat") — ``same`` as the nearest such candidate
+    "I have a cat named Miso"), or (without) shares :data:`SURE_LINK` telling words, at least
+    half of those the fact has ("Mr. Jansen next door has our spare key" of "Our neighbour, Mr.
+    Jansen, keeps a spare key to the flat"; not "The crime fiction reading group meets on the
+    third Thursday of each month at 7pm" of the book club that meets on the first Thursday at
+    7pm) — ``same`` as the nearest such candidate
     (:func:`checked_decisions` makes it an update if it says less)."""
     sure: dict[str, Decision] = {}
     for question in found.questions:
         ref = question.fact.ref
         cosines = ref in found.by_cosine
+        own = found.telling.get(ref, 0)
         best: tuple[float, str] | None = None
         for candidate in question.candidates:
             score = found.nearness.get((ref, candidate.ref), 0.0)
@@ -325,7 +362,7 @@ def sure_decisions(found: Candidates, options: NarrowOptions) -> dict[str, Decis
                 restates(candidate.text, question.fact.text)
                 or (cosines and score >= options.sure_cosine)
                 or (cosines and score >= options.sure_pair_cosine and telling >= STRONG_LINK)
-                or (not cosines and telling >= SURE_LINK)
+                or (not cosines and telling >= SURE_LINK and 2 * telling >= own)
             )
             if (
                 certain
@@ -347,9 +384,24 @@ _CHANGE_TEXT = """
 CHANGE_WORDS = frozenset(_CHANGE_TEXT.split())
 
 
+# A text that opens by saying from when it holds ("From March 2026 the kids' section is stocked
+# through Kestrel", "As of Monday, ...", "Starting next week ...") gives a new state, often in
+# words the old one never used. A range that opens the text ("From 17 to 19 October we ...") is
+# when something lasts, not since when.
+_WHEN = (
+    r"(?:january|february|march|april|may|june|july|august|september|october|november|december"
+    r"|monday|tuesday|wednesday|thursday|friday|saturday|sunday|next|this|today|tomorrow|\d)"
+)
+_FROM_WHEN = re.compile(
+    rf"\A\W*(?:from|as of|starting|effective|beginning)\s+(?:the\s+)?{_WHEN}(?![^,.;]*?\bto\b)",
+    re.IGNORECASE,
+)
+
+
 def announces_change(text: str) -> bool:
-    """Whether ``text`` says outright that something changed (:data:`CHANGE_WORDS`)."""
-    return not CHANGE_WORDS.isdisjoint(offline.content_words(text))
+    """Whether ``text`` says outright that something changed (:data:`CHANGE_WORDS`) or opens by
+    saying from when it holds (:data:`_FROM_WHEN`)."""
+    return not CHANGE_WORDS.isdisjoint(offline.content_words(text)) or bool(_FROM_WHEN.match(text))
 
 
 # What a fact can measure of its subject. Two texts that each give a value, of no common kind, say
@@ -357,11 +409,6 @@ def announces_change(text: str) -> bool:
 # are kept for 35 days": when, and how long), whatever words they share. A calendar date is not
 # one of them: a rewrite dates the facts it folds in ("Our DBA was Anna Kowalski on September 1,
 # 2025"), so an observation's date may say when it was learnt, not what it measures.
-_NUMBER_WORDS = """
-    one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen
-    sixteen seventeen eighteen nineteen twenty thirty forty fifty sixty seventy eighty ninety
-    hundred
-"""
 _COUNT = "(?:\\d+|" + "|".join(_NUMBER_WORDS.split()) + ")"
 _MEASURES = {
     "time of day": re.compile(r"\b\d{1,2}:\d{2}\b|\b\d{1,2} ?[ap]m\b|half past|o'clock|\bnoon\b"),
