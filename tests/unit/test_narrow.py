@@ -799,3 +799,54 @@ def test_a_change_near_nothing_is_shown_every_observation_and_other_facts_none()
     vectors = {text: [0.0, 1.0] for text in observations}
     vectors |= {"I started a new job at Globex.": [1.0, 0.0], "Bananas are yellow.": [-1.0, 0.0]}
     assert narrow.pick_candidates(given, vectors, OPTIONS).questions == ()
+
+
+@pytest.mark.parametrize(
+    ("text", "change"),
+    [
+        ("From March 2026 the kids' section is stocked entirely through Kestrel.", True),
+        ("From January 2026, 8% of my drawings goes into the pension.", True),
+        ("As of Monday, the standup is at 10:00.", True),
+        ("Starting next week the shop closes at 18:00.", True),
+        ("We have a bookstall at the festival from 17 to 19 October.", False),
+        ("From 20 December to 3 January there is a change freeze.", False),
+        ("From the start the shop sold second-hand books.", False),
+        ("Fresh bread arrives from Tuesday's bakery.", False),
+    ],
+)
+def test_a_text_that_opens_with_from_when_it_holds_announces_a_change(
+    text: str, change: bool
+) -> None:
+    assert narrow.announces_change(text) is change
+
+
+def test_a_change_is_shown_candidates_below_the_cosine_floor_and_a_fact_is_not() -> None:
+    old = "We order our children's books from Pemberton Wholesale."
+    change = "From March 2026 the kids' section is stocked through Kestrel Distribution."
+    same_words = "The kids' section is stocked through Kestrel Distribution."
+    vectors = {old: _at(0.35), change: [1.0, 0.0], same_words: [1.0, 0.0]}
+    for fact, shown in [(change, [old]), (same_words, [])]:
+        found = narrow.pick_candidates(inputs([fact], [old]), vectors, OPTIONS)
+        assert [c.text for q in found.questions for c in q.candidates] == shown, fact
+    # Not below the change's own floor.
+    vectors[old] = _at(0.25)
+    assert narrow.pick_candidates(inputs([change], [old]), vectors, OPTIONS).questions == ()
+
+
+def test_a_count_in_words_shares_a_stem_with_the_count_in_digits() -> None:
+    a = "Author events are capped at 40 seats because of the fire limit."
+    b = "Fire regulations mean no more than forty people at a reading."
+    assert narrow.overlap(a, b) > narrow.overlap(a, b.replace("forty", "fifty"))
+    found = narrow.pick_candidates(inputs([b], [a]), None, OPTIONS)
+    assert [c.text for q in found.questions for c in q.candidates] == [a]
+    # A count is no telling word: "fire" is the one they share.
+    assert found.shared["f1", "o1"] == 1
+
+
+def test_three_telling_words_are_no_sure_link_when_the_fact_tells_twice_as_many() -> None:
+    club = "The book club meets on the first Thursday of every month at 7pm."
+    crime = "The crime fiction reading group meets on the third Thursday of each month at 7pm."
+    found = narrow.pick_candidates(inputs([crime], [club]), None, OPTIONS)
+    assert found.shared["f1", "o1"] == 3
+    assert found.telling["f1"] > 6
+    assert narrow.sure_decisions(found, OPTIONS) == {}
