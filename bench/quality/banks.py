@@ -20,6 +20,7 @@ DEFAULT_BANK_FILES = (
     BANK_FILE,
     BANKS_DIR / "ops_team.json",
     BANKS_DIR / "household_diary.json",
+    BANKS_DIR / "bookshop.json",
 )
 
 
