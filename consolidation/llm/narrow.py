@@ -53,8 +53,8 @@ class NarrowOptions:
 
     candidates: int = 2  # nearest observations per fact, and as many earlier facts
     cosine_floor: float = 0.4  # with embeddings: no candidate below it
-    # ... but for a fact that announces a change (:func:`announces_change`), this one: a new
-    # state says other things than the old ("stocked through Kestrel" of "we order from
+    # ... or, for a fact that announces a change (:func:`announces_change`), this one if lower:
+    # a new state says other things than the old ("stocked through Kestrel" of "we order from
     # Pemberton": 0.39).
     change_cosine_floor: float = 0.3
     lexical_floor: float = 0.2  # without: a stem overlap (:func:`overlap`) below it is none
@@ -313,7 +313,9 @@ def pick_candidates(
                 other_vectors = near_vectors.get(other.ref)
                 if fact_vector is not None and other_vectors:
                     score = max(cosine(fact_vector, v) for v in other_vectors)
-                    floor = options.change_cosine_floor if change else options.cosine_floor
+                    floor = options.cosine_floor
+                    if change:
+                        floor = min(floor, options.change_cosine_floor)
                     by_cosine.add(fact.ref)
                 else:
                     score = overlap(fact.text, other.text)
