@@ -133,7 +133,7 @@ class Candidates:
     by_cosine: frozenset[str]  # the facts whose nearness is a cosine (else lexical)
     # How many telling words (:func:`telling_words`) each (fact ref, candidate ref) shares.
     shared: Mapping[tuple[str, str], int] = field(default_factory=dict)
-    # How many stems of each fact's own could tell its subject (:func:`own_telling_words`).
+    # How many stems of each questioned fact could tell its subject (:func:`own_telling_words`).
     telling: Mapping[str, int] = field(default_factory=dict)
 
     def question(self, ref: str) -> Question:
@@ -306,6 +306,9 @@ def pick_candidates(
     for index, fact in enumerate(inputs.facts):
         fact_vector = known.get(fact.text)
         change = announces_change(fact.text)
+        cosine_floor = options.cosine_floor
+        if change:
+            cosine_floor = min(cosine_floor, options.change_cosine_floor)
         chosen: list[Item] = []
         for pool in (inputs.observations, inputs.facts[:index]):
             scored: list[tuple[float, int, Item]] = []
@@ -313,9 +316,7 @@ def pick_candidates(
                 other_vectors = near_vectors.get(other.ref)
                 if fact_vector is not None and other_vectors:
                     score = max(cosine(fact_vector, v) for v in other_vectors)
-                    floor = options.cosine_floor
-                    if change:
-                        floor = min(floor, options.change_cosine_floor)
+                    floor = cosine_floor
                     by_cosine.add(fact.ref)
                 else:
                     score = overlap(fact.text, other.text)
@@ -332,11 +333,12 @@ def pick_candidates(
             # the pass. (With vectors, nothing above the cosine floor is nothing near.)
             chosen = list(inputs.observations)
             nearness.update(((fact.ref, o.ref), overlap(fact.text, o.text)) for o in chosen)
+        if not chosen:
+            continue
         telling[fact.ref] = len(own_telling_words(fact.text, common))
         for other in chosen:
             shared[fact.ref, other.ref] = len(telling_words(fact.text, other.text, common))
-        if chosen:
-            questions.append(Question(fact.shown(), tuple(c.shown() for c in chosen)))
+        questions.append(Question(fact.shown(), tuple(c.shown() for c in chosen)))
     return Candidates(tuple(questions), nearness, frozenset(by_cosine), shared, telling)
 
 
