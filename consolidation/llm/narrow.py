@@ -432,13 +432,38 @@ def measures(text: str) -> frozenset[str]:
     return frozenset(kind for kind, pattern in _MEASURES.items() if pattern.search(lowered))
 
 
+# A day of the calendar as a memory names it: "16 October", "the 3rd of May", "March 1st"; not a
+# month and year ("August 2029"), nor an ISO date, which is how the service dates what it folds in.
+_MONTHS = (
+    r"(?:january|february|march|april|may|june|july|august|september|october|november|december"
+    r"|jan|feb|mar|apr|jun|jul|aug|sept|sep|oct|nov|dec)\.?"
+)
+_DAY = re.compile(
+    rf"\b\d{{1,2}}(?:st|nd|rd|th)?(?: of)? {_MONTHS}(?![a-z])|\b{_MONTHS} \d{{1,2}}(?:st|nd|rd|th)?\b(?!\d)"
+)
+
+
+def names_a_day(text: str) -> bool:
+    """Whether ``text`` names a day of the calendar (:data:`_DAY`), outside the dates
+    :func:`join` puts before the sentences it adds."""
+    return any(_DAY.search(sentence.lower()) for sentence in sentences(text))
+
+
 def measures_other(fact: str, candidate: str) -> bool:
-    """Whether ``fact`` gives a value of a kind ``candidate`` does not, which gives values of
-    other kinds only: another property of the subject, not a restatement nor an update of it.
+    """Whether ``fact`` says another property of the subject than ``candidate``, not a
+    restatement nor an update of it: it gives a value of a kind the candidate does not, which
+    gives values of other kinds only; or the candidate names a day ("Our autumn poetry evening
+    is booked for 16 October") and the fact names none ("Idris Vale is the guest poet at the
+    poetry evening"): a restatement of a date says the day, a new date names the new one, and
+    whatever else is said of a dated thing (who, where, how) is another property of it.
     A fact that announces a change may change what is measured ("Backups now run every six
     hours" of "Backups run every night at 02:00"), so it is never told apart this way."""
+    if announces_change(fact):
+        return False
     given, other = measures(fact), measures(candidate)
-    return bool(given and other) and given.isdisjoint(other) and not announces_change(fact)
+    if given and other and given.isdisjoint(other):
+        return True
+    return names_a_day(candidate) and not names_a_day(fact)
 
 
 def apart(found: Candidates, decisions: Mapping[str, Decision]) -> list[str]:

@@ -736,6 +736,38 @@ def test_a_fact_measuring_another_property_of_the_subject_is_new_whatever_the_mo
     assert narrow.apart(found, {"f1": Decision("new")}) == []
 
 
+@pytest.mark.parametrize(
+    ("text", "day"),
+    [
+        ("Our autumn poetry evening is booked for 16 October.", True),
+        ("The launch moved to the 3rd of May.", True),
+        ("The review is on March 1st.", True),
+        ("Our DBA was Anna Kowalski on September 1, 2025.", True),
+        ("My passport expires in August 2029.", False),  # a month, not a day
+        ("May I bring the plan on Monday?", False),
+        ("I live in Paris. As of 2026-03-01: I moved to Berlin.", False),  # the join's dating
+        ("Backups run at 02:00 on 2026-03-01.", False),  # ISO: the service's own dating
+    ],
+)
+def test_whether_a_text_names_a_day_of_the_calendar(text: str, day: bool) -> None:
+    assert narrow.names_a_day(text) is day
+
+
+def test_what_is_said_of_a_dated_thing_without_its_day_is_another_property_of_it() -> None:
+    event = "Our autumn poetry evening is booked for 16 October."
+    assert narrow.measures_other("Idris Vale is the guest poet at the poetry evening.", event)
+    assert narrow.measures_other("The poetry evening starts at 7pm.", event)
+    # A restatement names the day; a new date names the new one or announces the change.
+    assert not narrow.measures_other("The poetry evening is on 16 October.", event)
+    assert not narrow.measures_other("The poetry evening is now on 30 October.", event)
+    assert not narrow.measures_other("The poetry evening has been postponed.", event)
+    # Only the candidate's day counts: an undated candidate is judged by the words.
+    assert not narrow.measures_other(event, "Idris Vale is the guest poet at the poetry evening.")
+    given = inputs(["Idris Vale is the guest poet at the poetry evening."], [event])
+    found = narrow.pick_candidates(given, None, OPTIONS)
+    assert narrow.apart(found, {"f1": Decision("update", "o1")}) == ["f1"]
+
+
 def test_a_candidate_measuring_another_property_is_never_sure_nor_linked_without_a_model() -> None:
     fact, old = "Database backups are kept for 35 days.", "Database backups run daily at 02:00."
     given = inputs([fact], [old])
