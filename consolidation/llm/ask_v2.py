@@ -98,7 +98,8 @@ async def _decisions(
     to the candidate that shares clearly more with the fact, and one whose candidate shares too
     little moved to the one candidate that shares enough or made new when it shares nothing;
     then new if its candidate measures another property of the subject, or else, when it
-    shares too little, confirmed by a yes/no question."""
+    shares too little (or less than half of what the fact names), confirmed by a yes/no
+    question."""
     sure = narrow.sure_decisions(found, options)
     asked = [q for q in found.questions if q.fact.ref not in sure]
     size = options.facts_per_call
@@ -113,6 +114,7 @@ async def _decisions(
             doubtful.append(ref)
         else:
             said[ref] = better
+    doubtful.extend(ref for ref in narrow.thin(found, said) if ref not in doubtful)
     apart = narrow.apart(found, said)
     said.update((ref, Decision(NEW)) for ref in apart)
     doubtful = [ref for ref in doubtful if ref not in apart]

@@ -502,6 +502,25 @@ def unlinked(found: Candidates, decisions: Mapping[str, Decision]) -> list[str]:
     ]
 
 
+def thin(found: Candidates, decisions: Mapping[str, Decision]) -> list[str]:
+    """The facts whose ``same``/``update`` shares :data:`STRONG_LINK` telling words or more with
+    its candidate but fewer than half of those the fact has, and announces no change: most of
+    what the fact names is not in the candidate ("The crime fiction reading group meets on the
+    third Thursday of each month at 7pm" of the book club that meets on the first Thursday at
+    7pm: three of eight). Without embeddings such a link is not sure (:func:`sure_decisions`);
+    the model's pick is no surer, so it is asked once more."""
+    found_thin: list[str] = []
+    for ref, decision in decisions.items():
+        if decision.kind == NEW or decision.target is None:
+            continue
+        shared = _shared(found, ref, decision.target)
+        own = found.telling.get(ref, 0)
+        text = found.question(ref).fact.text
+        if shared >= STRONG_LINK and 2 * shared < own and not announces_change(text):
+            found_thin.append(ref)
+    return found_thin
+
+
 # A pick is moved to a candidate that shares at least this many more telling words with the fact.
 CLEARLY_MORE = 2
 

@@ -882,3 +882,46 @@ def test_three_telling_words_are_no_sure_link_when_the_fact_tells_twice_as_many(
     assert found.shared["f1", "o1"] == 3
     assert found.telling["f1"] > 6
     assert narrow.sure_decisions(found, OPTIONS) == {}
+
+
+async def test_a_pick_sharing_less_than_half_of_what_the_fact_names_is_asked_once_more() -> None:
+    fact = "The crime fiction reading group meets on the third Thursday of each month at 7pm."
+    club = "The book club meets on the first Thursday of every month at 7pm."
+    given = inputs([fact], [club])
+    found = narrow.pick_candidates(given, None, OPTIONS)
+    assert (found.shared["f1", "o1"], found.telling["f1"]) == (3, 8)
+    said = {"f1": Decision("update", "o1")}
+    assert narrow.unlinked(found, said) == []  # three words: a strong link on its own
+    assert narrow.thin(found, said) == ["f1"]
+    # Half or more of the fact's words shared, or a change announced: the pick stands.
+    for other in (
+        "The book club meets on the first Thursday of every month at 7pm in the back room.",
+        "The book club now meets on the first Thursday of every month at 7pm.",
+    ):
+        found = narrow.pick_candidates(inputs([other], [club]), None, OPTIONS)
+        assert narrow.thin(found, {"f1": Decision("update", "o1")}) == [], other
+    when = datetime(2026, 1, 1, tzinfo=UTC)
+    request = build_request(
+        "b",
+        ("shop",),
+        None,
+        [FactInput(uuid.uuid4(), fact, ("shop",), when)],
+        [ObservationInput(uuid.uuid4(), club, 1, when)],
+    )
+    for answer, creates in (("no", [fact]), ("yes", [])):
+        with FakeLLMServer(FakeLLMConfig()) as fake:
+            fake.control(
+                script=[
+                    {"content": '{"f1": "update:o1"}'},
+                    {"content": f'{{"same_subject": "{answer}"}}'},
+                    {"content": f'{{"text": "{club} {fact}"}}'},
+                ]
+            )
+            llm = http_llm(fake.url)
+            try:
+                plan = await ask_v2.answer_pass(request, llm.complete, None, OPTIONS)
+            finally:
+                await llm.aclose()
+            assert fake.stats()["requests"] == (2 if answer == "no" else 3)
+        assert [c.text for c in plan.creates] == creates, answer
+        assert len(plan.updates) == (0 if answer == "no" else 1)
