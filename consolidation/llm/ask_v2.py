@@ -114,7 +114,8 @@ async def _decisions(
             doubtful.append(ref)
         else:
             said[ref] = better
-    doubtful.extend(ref for ref in narrow.thin(found, said) if ref not in doubtful)
+    # None of these is doubtful already: a doubtful pick shares fewer than two telling words.
+    doubtful.extend(narrow.thin(found, said))
     apart = narrow.apart(found, said)
     said.update((ref, Decision(NEW)) for ref in apart)
     doubtful = [ref for ref in doubtful if ref not in apart]

@@ -357,7 +357,6 @@ def sure_decisions(found: Candidates, options: NarrowOptions) -> dict[str, Decis
     for question in found.questions:
         ref = question.fact.ref
         cosines = ref in found.by_cosine
-        own = found.telling.get(ref, 0)
         best: tuple[float, str] | None = None
         for candidate in question.candidates:
             score = found.nearness.get((ref, candidate.ref), 0.0)
@@ -366,7 +365,7 @@ def sure_decisions(found: Candidates, options: NarrowOptions) -> dict[str, Decis
                 restates(candidate.text, question.fact.text)
                 or (cosines and score >= options.sure_cosine)
                 or (cosines and score >= options.sure_pair_cosine and telling >= STRONG_LINK)
-                or (not cosines and telling >= SURE_LINK and 2 * telling >= own)
+                or (not cosines and telling >= SURE_LINK and _half_told(found, ref, candidate.ref))
             )
             if (
                 certain
@@ -488,6 +487,12 @@ def _shared(found: Candidates, ref: str, target: str) -> int:
     return found.shared.get((ref, target), 0)
 
 
+def _half_told(found: Candidates, ref: str, target: str) -> bool:
+    """Whether the telling words fact ``ref`` shares with ``target`` are at least half of
+    those the fact has: else most of what the fact names is not in the candidate."""
+    return 2 * _shared(found, ref, target) >= found.telling.get(ref, 0)
+
+
 def unlinked(found: Candidates, decisions: Mapping[str, Decision]) -> list[str]:
     """The facts whose ``same``/``update`` is doubtful: the fact and its candidate share fewer
     than :data:`STRONG_LINK` telling words — one name ("Anna", "Lisbon"), one word of a trade
@@ -513,10 +518,12 @@ def thin(found: Candidates, decisions: Mapping[str, Decision]) -> list[str]:
     for ref, decision in decisions.items():
         if decision.kind == NEW or decision.target is None:
             continue
-        shared = _shared(found, ref, decision.target)
-        own = found.telling.get(ref, 0)
         text = found.question(ref).fact.text
-        if shared >= STRONG_LINK and 2 * shared < own and not announces_change(text):
+        if (
+            _shared(found, ref, decision.target) >= STRONG_LINK
+            and not _half_told(found, ref, decision.target)
+            and not announces_change(text)
+        ):
             found_thin.append(ref)
     return found_thin
 
