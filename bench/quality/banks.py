@@ -21,6 +21,7 @@ DEFAULT_BANK_FILES = (
     BANKS_DIR / "ops_team.json",
     BANKS_DIR / "household_diary.json",
     BANKS_DIR / "bookshop.json",
+    BANKS_DIR / "smallholding.json",
 )
 
 

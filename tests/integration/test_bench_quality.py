@@ -18,13 +18,41 @@ from bench.quality.judge import shortfalls
 
 ROOT = Path(__file__).resolve().parents[2]
 
+# What a perfect model's decisions over contract v2 leave short on the smallholding bank, written
+# unseen after every rule of the engine (docs/quality.md, "A second unseen bank: smallholding"):
+# restatements that share no telling word with the first and that no rule was fitted to find.
+# "From Monday to Friday nobody serves; customers pay into the trust tin by the door" is 0.39 by
+# MiniLM from the honesty box it restates, below the cosine floor; "Our layer flock is 11 birds"
+# shares only a count with "We keep eleven laying hens", and without embeddings nothing else.
+V2_ORACLE_MISSES = {
+    ("smallholding", "words"): {"hen-flock", "honesty-box", "pig-feed"},
+    ("smallholding", "minilm"): {"honesty-box", "pig-feed"},
+}
+
+
+def _assert_v2_oracle(name: str, judgement: dict[str, Any], recall: str) -> None:
+    """Perfect, or short by exactly the known misses: duplicates left apart and old states left
+    standing, never a label mixed, a hard negative merged, a word invented or a memory lost."""
+    not_ok = {n: v["verdict"] for n, v in judgement["labels"].items() if v["verdict"] != "ok"}
+    missed = V2_ORACLE_MISSES.get((name, recall), set())
+    if not missed:
+        assert shortfalls(judgement) == [], (name, not_ok, judgement["unsupported"])
+        return
+    assert set(not_ok) == missed, (name, not_ok)
+    assert judgement["observations_mixing_labels"] == 0, (name, judgement["mixed"])
+    assert judgement["hard_negatives_merged"] == 0, name
+    assert judgement["unsupported_observations"] == 0, (name, judgement["unsupported"])
+    assert judgement["memories_cited"] == judgement["memories"], name
+    assert judgement["facts_kept"] == judgement["facts"], name
+
 
 @pytest.mark.parametrize("contract", [None, "v2"])
-def test_the_oracle_run_scores_100_percent_on_every_bank(
+def test_the_oracle_run_scores_100_percent_on_every_bank_but_v2s_known_misses(
     pg_admin_url: str, tmp_path: Path, contract: str | None
 ) -> None:
     """The default contract, and v2 without embeddings: its candidates are word stems, and a
-    change that shares no word with the old state is shown every observation of the pass."""
+    change that shares no word with the old state is shown every observation of the pass. v2
+    falls short on the smallholding bank by exactly its known misses (:data:`V2_ORACLE_MISSES`)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONSOLIDATION_")}
     command = [sys.executable, "-m", "bench", "quality", "--oracle"]
     command += ["--database-url", pg_admin_url, "--results-dir", str(tmp_path)]
@@ -44,8 +72,13 @@ def test_the_oracle_run_scores_100_percent_on_every_bank(
     assert set(results["banks"]) == {b.name for b in load_banks()}
     for name, bank in results["banks"].items():
         judgement = bank["judgement"]
-        not_ok = {n: v["verdict"] for n, v in judgement["labels"].items() if v["verdict"] != "ok"}
-        assert shortfalls(judgement) == [], (name, not_ok, judgement["unsupported"])
+        if contract is None:
+            not_ok = {
+                n: v["verdict"] for n, v in judgement["labels"].items() if v["verdict"] != "ok"
+            }
+            assert shortfalls(judgement) == [], (name, not_ok, judgement["unsupported"])
+        else:
+            _assert_v2_oracle(name, judgement, "words")
         assert judgement["duplicate_labels"] and judgement["state_changes"], name
         assert judgement["hard_negative_pairs"], name
         assert bank["figures"]["first_try_valid_fraction"] == 1.0, name
@@ -55,8 +88,10 @@ def test_the_oracle_run_scores_100_percent_on_every_bank(
         assert split["prompt_tokens"] == bank["figures"]["prompt_tokens"], name
         assert split["requests"] == bank["figures"]["llm_calls"], name
         assert sum(split["prompt_per_memory_by_part"].values()) > 0, name
-    assert "the pipeline falls short" not in run.stdout.decode()
-    assert run.returncode == 0, run.stderr.decode()[-3000:]
+    # The oracle's shortfalls are a gate: exit status 2, v2's known misses included.
+    falls_short = "the pipeline falls short" in run.stdout.decode()
+    assert falls_short == (contract is not None), run.stdout.decode()[-3000:]
+    assert run.returncode == (2 if falls_short else 0), run.stderr.decode()[-3000:]
     # The saved run, judged again from what it saved, renders the same verdict.
     again = subprocess.run(
         [sys.executable, "-m", "bench", "quality", "--report", str(saved)],
@@ -68,7 +103,7 @@ def test_the_oracle_run_scores_100_percent_on_every_bank(
     )
     assert again.returncode == 0, again.stderr.decode()[-3000:]
     assert again.stdout.decode().count("  oracle ") == len(results["banks"])
-    assert "the pipeline falls short" not in again.stdout.decode()
+    assert ("the pipeline falls short" in again.stdout.decode()) == falls_short
 
 
 def _minilm_unavailable(exc: Exception) -> NoReturn:
@@ -80,8 +115,11 @@ def _minilm_unavailable(exc: Exception) -> NoReturn:
     pytest.skip(message)
 
 
-def _minilm_run(decider: str, admin_url: str, results: Path, *settings: str) -> dict[str, Any]:
-    """``python -m bench quality DECIDER`` with all-MiniLM-L6-v2 embeddings: the saved results."""
+def _minilm_run(
+    decider: str, admin_url: str, results: Path, *settings: str, status: int = 0
+) -> dict[str, Any]:
+    """``python -m bench quality DECIDER`` with all-MiniLM-L6-v2 embeddings: the saved results
+    of a run that exited with ``status``."""
     try:
         from bench.recall import minilm
 
@@ -105,7 +143,7 @@ def _minilm_run(decider: str, admin_url: str, results: Path, *settings: str) -> 
         )
     saved = results / f"latest-quality-{decider.removeprefix('--')}.json"
     assert saved.exists(), run.stderr.decode()[-3000:]
-    assert run.returncode == 0, run.stderr.decode()[-3000:]
+    assert run.returncode == status, run.stderr.decode()[-3000:]
     found: dict[str, Any] = orjson.loads(saved.read_bytes())
     assert set(found["banks"]) == {b.name for b in load_banks()}
     return found
@@ -119,14 +157,15 @@ def test_the_offline_consolidator_with_minilm_embeddings_never_joins_two_subject
     thresholds were set on — the v1 offline policy's word overlap piled billing's language,
     queue and owner together. On the bookshop bank, written afterwards and unseen, it joins the
     book club and the crime reading group ("meets ... Thursday ... at 7pm", 0.68 apart) and
-    keeps most rewordings apart (docs/quality.md); there it loses and invents nothing."""
+    keeps most rewordings apart (docs/quality.md); on the smallholding bank, written unseen too,
+    it joins the farm shop's egg price and the market's. On both it loses and invents nothing."""
     results = _minilm_run("--offline", vector_admin_url, tmp_path)
     for name, bank in results["banks"].items():
         judgement = bank["judgement"]
         assert bank["figures"]["llm_calls"] == 0, name
         assert judgement["unsupported_observations"] == 0, (name, judgement["unsupported"])
         assert judgement["memories_cited"] == judgement["memories"], name
-        if name == "bookshop":
+        if name in ("bookshop", "smallholding"):
             continue
         assert judgement["observations_mixing_labels"] == 0, (name, judgement["mixed"])
         assert judgement["hard_negatives_merged"] == 0, name
@@ -134,16 +173,17 @@ def test_the_offline_consolidator_with_minilm_embeddings_never_joins_two_subject
         assert judgement["duplicate_labels_collapsed"] > judgement["duplicate_labels"] // 2, name
 
 
-def test_the_v2_oracle_with_minilm_embeddings_scores_100_percent_on_every_bank(
+def test_the_v2_oracle_with_minilm_embeddings_scores_100_percent_but_for_known_misses(
     vector_admin_url: str, tmp_path: Path
 ) -> None:
     """Contract v2's candidates with a real embedding model: a perfect model's decisions come out
     as a perfect set of observations only if every twin and old state is among a fact's
-    candidates (the fake's embeddings are not semantic, so only this model can show it)."""
-    results = _minilm_run("--oracle", vector_admin_url, tmp_path, "CONSOLIDATION_LLM_CONTRACT=v2")
+    candidates (the fake's embeddings are not semantic, so only this model can show it). On the
+    smallholding bank it falls short by exactly its known misses (:data:`V2_ORACLE_MISSES`)."""
+    results = _minilm_run(
+        "--oracle", vector_admin_url, tmp_path, "CONSOLIDATION_LLM_CONTRACT=v2", status=2
+    )
     assert results["client_env"]["CONSOLIDATION_LLM_CONTRACT"] == "v2"
     assert set(results["banks"]) == {b.name for b in load_banks()}
     for name, bank in results["banks"].items():
-        judgement = bank["judgement"]
-        not_ok = {n: v["verdict"] for n, v in judgement["labels"].items() if v["verdict"] != "ok"}
-        assert shortfalls(judgement) == [], (name, not_ok, judgement["unsupported"])
+        _assert_v2_oracle(name, bank["judgement"], "minilm")
