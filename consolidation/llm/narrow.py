@@ -854,11 +854,35 @@ def _share_kept(source: str, text: str) -> float:
     return len(wanted & _stems(text)) / len(wanted) if wanted else 1.0
 
 
+# The names of each month (January is 1), as a rewrite may write the month of a date it was given.
+_MONTH_NAMES = (
+    ("january", "jan"),
+    ("february", "feb"),
+    ("march", "mar"),
+    ("april", "apr"),
+    ("may",),
+    ("june", "jun"),
+    ("july", "jul"),
+    ("august", "aug"),
+    ("september", "sep", "sept"),
+    ("october", "oct"),
+    ("november", "nov"),
+    ("december", "dec"),
+)
+# ... but "may", which a rewrite may write as a verb.
+_MONTH_WORDS = frozenset(name for names in _MONTH_NAMES for name in names) - {"may"}
+
+
 def _date_words(at: str | None) -> set[str]:
+    """The words a text may take from the ISO date ``at``: its numbers, and its month's names
+    ("2025-11-26" gives "November 26, 2025" and "26 Nov 2025")."""
     if not at:
         return set()
     numbers = _DIGITS.findall(at[:10])
-    return {*numbers, *(n.lstrip("0") for n in numbers if n.lstrip("0"))}
+    words = {*numbers, *(n.lstrip("0") for n in numbers if n.lstrip("0"))}
+    if len(numbers) >= 2 and 1 <= int(numbers[1]) <= 12:
+        words.update(_MONTH_NAMES[int(numbers[1]) - 1])
+    return words
 
 
 # How a text says that one state replaced another: "from A to B", "B instead of A", "replaced A
@@ -905,8 +929,9 @@ def rewrite_problems(
     old: Shown, facts: Sequence[Shown], text: str, *, old_is_fact: bool = False
 ) -> list[str]:
     """What is wrong with ``text`` as the rewrite of ``old`` by ``facts``: a fact it does not
-    mention, the observation's content dropped, words found in none of them (invented), a
-    change stated the other way round, the newest fact's words in another tense.
+    mention, the observation's content dropped, words found in none of them (invented: a month
+    or a number no text or date gave included), a change stated the other way round, the newest
+    fact's words in another tense.
 
     The facts' dates may be named; ``old.at`` only when ``old_is_fact`` (the first fact of an
     observation the pass creates). An existing observation's ``updated_at`` is when the service
@@ -922,7 +947,9 @@ def rewrite_problems(
             )
     if _share_kept(old.text, text) < MIN_KEPT:
         problems.append(f"the text drops what the observation said: {old.text!r}")
-    allowed = set(_stems(old.text)) | _CONNECTIVES
+    # A month is named by a text or a date it was given, as a number is: "changed to April" of
+    # facts that name March alone is an invented change.
+    allowed = set(_stems(old.text)) | (_CONNECTIVES - _MONTH_WORDS)
     if old_is_fact:
         allowed |= _date_words(old.at)
     for fact in facts:
