@@ -389,14 +389,17 @@ CHANGE_WORDS = frozenset(_CHANGE_TEXT.split())
 
 # A text that opens by saying from when it holds ("From March 2026 the kids' section is stocked
 # through Kestrel", "As of Monday, ...", "Starting next week ...") gives a new state, often in
-# words the old one never used. A range that opens the text ("From 17 to 19 October we ...") is
-# when something lasts, not since when.
+# words the old one never used. A range that opens the text ("From 17 to 19 October we ...",
+# "From Monday to Friday nobody serves") is when something lasts, not since when: its "to" comes
+# within the three words after "from"; a later "to" is the new state's ("From April 2026 the
+# shop price for six eggs goes up to £2.60").
 _WHEN = (
     r"(?:january|february|march|april|may|june|july|august|september|october|november|december"
     r"|monday|tuesday|wednesday|thursday|friday|saturday|sunday|next|this|today|tomorrow|\d)"
 )
 _FROM_WHEN = re.compile(
-    rf"\A\W*(?:from|as of|starting|effective|beginning)\s+(?:the\s+)?{_WHEN}(?![^,.;]*?\bto\b)",
+    rf"\A\W*(?:from|as of|starting|effective|beginning)\s+(?:the\s+)?{_WHEN}"
+    r"(?!\S*(?:\s+[^\s,.;]+){0,2}?\s+(?:to|until|till)\b)",
     re.IGNORECASE,
 )
 
