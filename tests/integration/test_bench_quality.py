@@ -20,21 +20,23 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # What a perfect model's decisions over contract v2 leave short on the smallholding bank, written
 # unseen after every rule of the engine (docs/quality.md, "A second unseen bank: smallholding"):
-# restatements that share no telling word with the first and that no rule was fitted to find.
-# "From Monday to Friday nobody serves; customers pay into the trust tin by the door" is 0.39 by
-# MiniLM from the honesty box it restates, below the cosine floor; "Our layer flock is 11 birds"
-# shares only a count with "We keep eleven laying hens", and without embeddings nothing else.
+# a restatement or a new state that shares no telling word with what it restates or replaces,
+# and that no rule was fitted to find. "From Monday to Friday nobody serves; customers pay into
+# the trust tin by the door" is 0.39 by MiniLM from the honesty box it restates, below the cosine
+# floor; "Our layer flock is 11 birds" shares only a count with "We keep eleven laying hens", and
+# without embeddings nothing else; "Since November 2025 we buy the sow and weaner ration from
+# Corran Feeds" is 0.30 from the pig nuts it replaces and announces no change the engine reads.
 V2_ORACLE_MISSES = {
     ("smallholding", "words"): {"hen-flock", "honesty-box", "pig-feed"},
     ("smallholding", "minilm"): {"honesty-box", "pig-feed"},
 }
 
 
-def _assert_v2_oracle(name: str, judgement: dict[str, Any], recall: str) -> None:
-    """Perfect, or short by exactly the known misses: duplicates left apart and old states left
-    standing, never a label mixed, a hard negative merged, a word invented or a memory lost."""
+def _assert_oracle(name: str, judgement: dict[str, Any], missed: set[str]) -> None:
+    """Perfect, or short by exactly the ``missed`` labels: duplicates left apart and old states
+    left standing, never a label mixed, a hard negative merged, a word invented or a memory
+    lost."""
     not_ok = {n: v["verdict"] for n, v in judgement["labels"].items() if v["verdict"] != "ok"}
-    missed = V2_ORACLE_MISSES.get((name, recall), set())
     if not missed:
         assert shortfalls(judgement) == [], (name, not_ok, judgement["unsupported"])
         return
@@ -72,13 +74,8 @@ def test_the_oracle_run_scores_100_percent_on_every_bank_but_v2s_known_misses(
     assert set(results["banks"]) == {b.name for b in load_banks()}
     for name, bank in results["banks"].items():
         judgement = bank["judgement"]
-        if contract is None:
-            not_ok = {
-                n: v["verdict"] for n, v in judgement["labels"].items() if v["verdict"] != "ok"
-            }
-            assert shortfalls(judgement) == [], (name, not_ok, judgement["unsupported"])
-        else:
-            _assert_v2_oracle(name, judgement, "words")
+        missed = V2_ORACLE_MISSES.get((name, "words"), set()) if contract else set()
+        _assert_oracle(name, judgement, missed)
         assert judgement["duplicate_labels"] and judgement["state_changes"], name
         assert judgement["hard_negative_pairs"], name
         assert bank["figures"]["first_try_valid_fraction"] == 1.0, name
@@ -186,4 +183,4 @@ def test_the_v2_oracle_with_minilm_embeddings_scores_100_percent_but_for_known_m
     assert results["client_env"]["CONSOLIDATION_LLM_CONTRACT"] == "v2"
     assert set(results["banks"]) == {b.name for b in load_banks()}
     for name, bank in results["banks"].items():
-        _assert_v2_oracle(name, bank["judgement"], "minilm")
+        _assert_oracle(name, bank["judgement"], V2_ORACLE_MISSES.get((name, "minilm"), set()))
