@@ -99,9 +99,12 @@ async def _decisions(
     little moved to the one candidate that shares enough or made new when it shares nothing;
     then new if its candidate measures another property of the subject, or else, when it
     shares too little (or less than half of what the fact names), confirmed by a yes/no
-    question."""
+    question. A fact with one candidate whose pick would only be made new or asked about
+    skips the decide call (:func:`narrow.without_decide`)."""
     sure = narrow.sure_decisions(found, options)
-    asked = [q for q in found.questions if q.fact.ref not in sure]
+    unsure = [q for q in found.questions if q.fact.ref not in sure]
+    settled, measuring, direct = narrow.without_decide(found, unsure)
+    asked = [q for q in unsure if q.fact.ref not in settled and q.fact.ref not in direct]
     size = options.facts_per_call
     chunks = [asked[i : i + size] for i in range(0, len(asked), size)]
     answers = await asyncio.gather(*(_decide(complete, inputs, chunk) for chunk in chunks))
@@ -119,14 +122,25 @@ async def _decisions(
     apart = narrow.apart(found, said)
     said.update((ref, Decision(NEW)) for ref in apart)
     doubtful = [ref for ref in doubtful if ref not in apart]
+    said.update((ref, narrow.confirmed_pick(found, ref)) for ref in direct)
+    doubtful.extend(direct)
     confirmed = await asyncio.gather(
         *(_confirm(complete, inputs, found, ref, said[ref]) for ref in doubtful)
     )
     for ref, yes in zip(doubtful, confirmed, strict=True):
         if not yes:
             said[ref] = Decision(NEW)
+    said.update(settled)
     decisions = narrow.checked_decisions(found, {**said, **sure})
-    _log_decisions(found, decisions, sure=sure, doubtful=doubtful, apart=apart, model=model_said)
+    _log_decisions(
+        found,
+        decisions,
+        sure=sure,
+        doubtful=doubtful,
+        apart=[*apart, *measuring],
+        unasked=[ref for ref in settled if ref not in measuring],
+        model=model_said,
+    )
     return decisions
 
 
@@ -137,13 +151,20 @@ def _log_decisions(
     sure: Mapping[str, Decision] | None = None,
     doubtful: Sequence[str] = (),
     apart: Sequence[str] = (),
+    unasked: Sequence[str] = (),
     model: Mapping[str, Decision] | None = None,
     local: bool = False,
 ) -> None:
     """The ``v2_decisions`` debug log of a pass: each fact as :func:`_explained` tells it."""
     if log.is_enabled_for(logging.DEBUG):  # the entries cost more than the check
         explain = functools.partial(
-            _explained, sure=sure, doubtful=doubtful, apart=apart, model=model, local=local
+            _explained,
+            sure=sure,
+            doubtful=doubtful,
+            apart=apart,
+            unasked=unasked,
+            model=model,
+            local=local,
         )
         entries = [explain(q, decisions[q.fact.ref]) for q in found.questions]
         log.debug("v2_decisions", decisions=entries)
@@ -156,6 +177,7 @@ def _explained(
     sure: Mapping[str, Decision] | None = None,
     doubtful: Sequence[str] = (),
     apart: Sequence[str] = (),
+    unasked: Sequence[str] = (),
     model: Mapping[str, Decision] | None = None,
     local: bool = False,
 ) -> dict[str, Any]:
@@ -169,9 +191,9 @@ def _explained(
     elif ref in doubtful:
         via = "confirmed"
     elif ref in apart:
-        via = "apart"  # the candidate the model picked measures something else of the subject
-    elif said is not None and said.kind != NEW and decision.kind == NEW:
-        via = "unlinked"  # it shares no telling word with the candidate the model picked
+        via = "apart"  # the candidate (the model picked) measures something else of the subject
+    elif ref in unasked or (said is not None and said.kind != NEW and decision.kind == NEW):
+        via = "unlinked"  # it shares no telling word with the candidate (the model picked)
     elif said is not None and said.target != decision.target:
         via = "retargeted"  # the kind may differ too: checked_decisions turns a same into an update
     else:

@@ -496,6 +496,51 @@ def apart(found: Candidates, decisions: Mapping[str, Decision]) -> list[str]:
     return apart
 
 
+def without_decide(
+    found: Candidates, asked: Sequence[Question]
+) -> tuple[dict[str, Decision], list[str], list[str]]:
+    """Which of ``asked`` need no decide call: a fact with one candidate, when whatever the
+    model picked of it (``same`` or ``update``) the engine would make of the pick the same.
+
+    Returns the facts made ``new`` without a call, the ones among them that measure another
+    property of their candidate (:func:`apart`; the rest share no telling word with it and
+    announce no change, without embeddings: :func:`stronger`), and the facts to ask the yes/no
+    question of directly: any pick would be doubtful (:func:`unlinked` with no rule to settle
+    it, or :func:`thin`), so a decide call would only say "update" before the question that
+    settles it. The 1.5B model all but never answers a decide with ``new`` (docs/quality.md):
+    for such a fact the call only cost tokens and time."""
+    settled: dict[str, Decision] = {}
+    measuring: list[str] = []
+    direct: list[str] = []
+    for question in asked:
+        if len(question.candidates) != 1:
+            continue
+        ref, target = question.fact.ref, question.candidates[0].ref
+        picks = [{ref: Decision(kind, target)} for kind in (SAME, UPDATE)]
+        if apart(found, picks[0]):
+            settled[ref] = Decision(NEW)
+            measuring.append(ref)
+        elif unlinked(found, picks[0]):
+            made = {stronger(found, ref, pick[ref]) for pick in picks}
+            if made == {None}:
+                direct.append(ref)
+            elif made == {Decision(NEW)}:
+                settled[ref] = Decision(NEW)
+        elif thin(found, picks[0]):
+            direct.append(ref)
+    return settled, measuring, direct
+
+
+def confirmed_pick(found: Candidates, ref: str) -> Decision:
+    """The decision on the one candidate of a fact asked the yes/no question directly
+    (:func:`without_decide`), when the answer is yes: ``same`` when it already says all the
+    fact says, else ``update``."""
+    question = found.question(ref)
+    (candidate,) = question.candidates
+    kind = SAME if says_all(candidate.text, question.fact.text) else UPDATE
+    return Decision(kind, candidate.ref)
+
+
 def candidate_text(question: Question, ref: str | None) -> str | None:
     """The text of ``question``'s candidate ``ref``; None if it has no such candidate."""
     return next((c.text for c in question.candidates if c.ref == ref), None)

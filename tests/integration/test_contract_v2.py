@@ -172,8 +172,16 @@ async def test_an_invented_rewrite_is_repaired_once_then_replaced_by_the_join(
 async def test_a_decision_outside_the_enum_is_an_unusable_answer_as_in_v1(
     pool: asyncpg.Pool, fake: FakeLLMServer, llm: Recorder
 ) -> None:
-    await ingest(pool, "b", [memory("Alice lives in Berlin.", "01-01")])
+    # Two observations, two candidates: the fact is asked about in a decide call.
+    await ingest(
+        pool,
+        "b",
+        [memory("Alice lives in Berlin.", "01-01"), memory("Alice works in Berlin.", "01-02")],
+    )
+    fake.control(script=[{"content": '{"same_subject": "no"}'}])
     assert (await consolidate(pool, "b", llm, V2)).status == "completed"
+    assert len(await texts_and_sources(pool, "b")) == 2
+    llm.requests.clear()
     fake.control(script=[{"content": '{"f1": "update:o7"}'}] * 4)
     await ingest(pool, "b", [memory("Alice lives in Berlin still.", "02-01")])
     end = await consolidate(pool, "b", llm, V2)
@@ -259,13 +267,15 @@ async def test_facts_per_call_puts_several_facts_in_one_decide_call(
             memory("Alice lives in Berlin.", "01-01"),
             memory("Alice lives in Berlin with Tom.", "01-02"),
             memory("Alice lives in Berlin near Tom.", "01-03"),
+            memory("Alice lives in Berlin near Tom and Eva.", "01-04"),
         ],
     )
     end = await consolidate(pool, "b", llm, Settings(llm_contract="v2", llm_v2_facts_per_call=8))
     assert end.status == "completed", end.error
-    assert llm.tasks()[0] == "decide"
-    assert [f["ref"] for f in llm.requests[0][0]["facts"]] == ["f2", "f3"]
-    assert "decide" not in llm.tasks()[1:]
+    # f2 has one candidate, f1, and shares none but the pass's common words with it: new
+    # without a call. f3 and f4 have two each and are asked in one call.
+    decides = [user for user, _ in llm.requests if user.get("task") == "decide"]
+    assert [[f["ref"] for f in user["facts"]] for user in decides] == [["f3", "f4"]]
 
 
 ATLAS = [
@@ -356,7 +366,8 @@ async def test_an_update_onto_an_observation_measuring_another_property_is_new_w
     await ingest(pool, "b", [memory(retention, "02-01", ("ops",))])
     end = await consolidate(pool, "b", llm, V2)
     assert end.status == "completed", end.error
-    assert llm.tasks() == ["decide"]  # no confirm, no rewrite
+    # Its one candidate: any pick of it would be made new, so nothing is asked at all.
+    assert llm.tasks() == []
     assert await texts_and_sources(pool, "b") == {schedule: {schedule}, retention: {retention}}
     await assert_consistent(pool)
 

@@ -925,11 +925,12 @@ async def test_a_pick_sharing_less_than_half_of_what_the_fact_names_is_asked_onc
         [FactInput(uuid.uuid4(), fact, ("shop",), when)],
         [ObservationInput(uuid.uuid4(), club, 1, when)],
     )
+    # Its one candidate: whatever the model picked would be asked about, so the yes/no
+    # question is the first call, and a yes is the update.
     for answer, creates in (("no", [fact]), ("yes", [])):
         with FakeLLMServer(FakeLLMConfig()) as fake:
             fake.control(
                 script=[
-                    {"content": '{"f1": "update:o1"}'},
                     {"content": f'{{"same_subject": "{answer}"}}'},
                     {"content": f'{{"text": "{club} {fact}"}}'},
                 ]
@@ -939,6 +940,56 @@ async def test_a_pick_sharing_less_than_half_of_what_the_fact_names_is_asked_onc
                 plan = await ask_v2.answer_pass(request, llm.complete, None, OPTIONS)
             finally:
                 await llm.aclose()
-            assert fake.stats()["requests"] == (2 if answer == "no" else 3)
+            assert fake.stats()["requests"] == (1 if answer == "no" else 2)
         assert [c.text for c in plan.creates] == creates, answer
         assert len(plan.updates) == (0 if answer == "no" else 1)
+
+
+def test_one_candidate_skips_the_decide_call_when_any_pick_of_it_would_be_overruled() -> None:
+    def settle(fact: str, *observations: str) -> tuple[dict[str, Decision], list[str], list[str]]:
+        found = narrow.pick_candidates(
+            inputs([fact], list(observations)), None, narrow.NarrowOptions(lexical_floor=0.0)
+        )
+        return narrow.without_decide(found, found.questions)
+
+    # Another property of the one candidate: new without a call.
+    backups = "Database backups run every night at 02:00 UTC."
+    assert settle("Database backups are kept for 35 days.", backups) == (
+        {"f1": Decision("new")},
+        ["f1"],
+        [],
+    )
+    # No telling word shared, no change announced, no cosine: new without a call.
+    assert settle("Maria leads the design work.", "The Atlas backend is written in Go.") == (
+        {"f1": Decision("new")},
+        [],
+        [],
+    )
+    # One word shared, or three of eight: any pick is asked about, so the question comes first.
+    club = "The book club meets on the first Thursday of every month at 7pm."
+    crime = "The crime fiction reading group meets on the third Thursday of each month at 7pm."
+    assert settle(crime, club) == ({}, [], ["f1"])
+    assert settle("Maria leads design on the Atlas backend.", "The backend is in Go.") == (
+        {},
+        [],
+        ["f1"],
+    )
+    # Asked as before: a strong link (same or update is the model's to say); a change (a same
+    # of what it names nothing of is new, an update is asked about: the pick decides); two
+    # candidates (which one is the model's to say).
+    for fact, observations in (
+        ("The book club now meets on the first Thursday at 7pm.", [club]),
+        ("I started a new job at Globex.", ["I work as an accountant at Acme."]),
+        (crime, [club, "The crime fiction shelf is by the door."]),
+    ):
+        assert settle(fact, *observations) == ({}, [], []), fact
+
+
+def test_a_yes_to_the_one_candidate_is_a_same_only_when_it_already_says_all() -> None:
+    for fact, kind in (
+        ("Leo plays football.", "same"),
+        ("Leo plays football on Fridays.", "update"),
+    ):
+        given = inputs([fact], ["Leo plays football at the FC Nord club."])
+        found = narrow.pick_candidates(given, None, narrow.NarrowOptions(lexical_floor=0.0))
+        assert narrow.confirmed_pick(found, "f1") == Decision(kind, "o1")
