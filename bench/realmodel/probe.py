@@ -1,0 +1,92 @@
+"""``python -m bench.realmodel.probe``: one confirm question asked of the lane's model after
+different requests, to show whether an answer depends on what the server was asked before.
+
+llama-cpp-python's server keeps the previous prompt's evaluation and reuses its longest common
+prefix, so the same request is computed in other pieces after another request; at temperature
+0 a borderline answer can turn. A quality run in which a change moves one such question (say,
+to the first call of a bank) can then differ from main without the change deciding anything
+differently (docs/quality.md). Needs the lane's server venv and model (``python -m bench
+realmodel`` installs both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+
+from bench.realmodel.server import DEFAULT_HOME, MODELS, LlamaServer
+from consolidation.llm.client import HTTPConsolidator
+from consolidation.llm.prompts import Chat
+from consolidation.llm.prompts_v2 import Question, Shown, confirm_chat, decide_chat
+
+BANK, SCOPE = "realmodel", ("user",)
+# The lane bank's borderline pair: the flat is a detail of the residence.
+CONFIRM = confirm_chat(
+    BANK,
+    SCOPE,
+    None,
+    Shown("f4", "My flat in Paris is close to the Canal Saint-Martin."),
+    Shown("o1", "I live in Paris, in the 11th arrondissement."),
+)
+
+
+def _decide(fact: str, candidate: str) -> Chat:
+    return decide_chat(BANK, SCOPE, None, [Question(Shown("f1", fact), (Shown("o1", candidate),))])
+
+
+BEFORE: tuple[tuple[str, Chat | None], ...] = (
+    ("first request after the warm-up", None),
+    ("after the same request", None),
+    (
+        "after a decide call",
+        _decide(
+            "Because of my peanut allergy I always carry an EpiPen.", "I'm allergic to peanuts."
+        ),
+    ),
+    ("after the same request", None),
+    ("after another decide call", _decide("I drink my coffee black.", "Coffee is always black.")),
+)
+
+
+async def probe(url: str, alias: str) -> list[tuple[str, str]]:
+    """Each situation of :data:`BEFORE` and the model's answer to :data:`CONFIRM` in it."""
+    llm = HTTPConsolidator(base_url=url, model=alias, timeout_s=600)
+    answers: list[tuple[str, str]] = []
+    try:
+        for situation, before in BEFORE:
+            if before is not None:
+                await llm.complete(before)
+            answers.append((situation, (await llm.complete(CONFIRM)).content))
+    finally:
+        await llm.aclose()
+    return answers
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.realmodel.probe", description=__doc__)
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b", choices=sorted(MODELS))
+    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_HOME)
+    args = parser.parse_args(argv)
+    spec = MODELS[args.model]
+    model = args.cache_dir / "models" / spec.filename
+    python = args.cache_dir / "venv" / "bin" / "python"
+    if not model.exists() or not python.exists():
+        parser.error(f"no {model} or {python}: run `python -m bench realmodel` once first")
+    with LlamaServer(
+        python,
+        model,
+        alias=spec.name,
+        n_ctx=8192,
+        threads=2,
+        chat_format=None,
+        extra_args=(),
+        log_path=args.cache_dir / "probe-server.log",
+    ) as server:
+        for situation, answer in asyncio.run(probe(server.url, spec.name)):
+            print(f"{situation:35} {answer}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
