@@ -15,7 +15,7 @@ import argparse
 import asyncio
 from pathlib import Path
 
-from bench.realmodel.server import DEFAULT_HOME, MODELS, LlamaServer
+from bench.realmodel.server import DEFAULT_HOME, MODELS, installed_server
 from consolidation.llm.client import HTTPConsolidator
 from consolidation.llm.prompts import Chat
 from consolidation.llm.prompts_v2 import Question, Shown, confirm_chat, decide_chat
@@ -68,22 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="qwen2.5-coder-1.5b", choices=sorted(MODELS))
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_HOME)
     args = parser.parse_args(argv)
-    spec = MODELS[args.model]
-    model = args.cache_dir / "models" / spec.filename
-    python = args.cache_dir / "venv" / "bin" / "python"
-    if not model.exists() or not python.exists():
-        parser.error(f"no {model} or {python}: run `python -m bench realmodel` once first")
-    with LlamaServer(
-        python,
-        model,
-        alias=spec.name,
-        n_ctx=8192,
-        threads=2,
-        chat_format=None,
-        extra_args=(),
-        log_path=args.cache_dir / "probe-server.log",
-    ) as server:
-        for situation, answer in asyncio.run(probe(server.url, spec.name)):
+    try:
+        server = installed_server(args.cache_dir, args.model, "probe-server.log")
+    except FileNotFoundError as exc:
+        parser.error(str(exc))
+    with server:
+        for situation, answer in asyncio.run(probe(server.url, args.model)):
             print(f"{situation:35} {answer}")
     return 0
 

@@ -442,3 +442,26 @@ class LlamaServer:
             status = match.group(1).decode()
             counts[status] = counts.get(status, 0) + 1
         return dict(sorted(counts.items()))
+
+
+def installed_server(cache: Path, name: str, log_name: str) -> LlamaServer:
+    """The lane's model ``name`` served from ``cache`` as a probe of it runs it (2 threads, the
+    GGUF's own chat template). Raises FileNotFoundError, saying how to install them, when the
+    venv or the model is missing."""
+    spec = MODELS[name]
+    model = cache / "models" / spec.filename
+    python = cache / "venv" / "bin" / "python"
+    if not model.exists() or not python.exists():
+        raise FileNotFoundError(
+            f"no {model} or {python}: run `python -m bench realmodel` once first"
+        )
+    return LlamaServer(
+        python,
+        model,
+        alias=spec.name,
+        n_ctx=8192,
+        threads=2,
+        chat_format=None,
+        extra_args=(),
+        log_path=cache / log_name,
+    )

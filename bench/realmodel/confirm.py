@@ -1,0 +1,229 @@
+"""``python -m bench.realmodel.confirm``: contract v2's yes/no question asked of a model on the
+labelled pairs of the quality banks, each pair on its own, and how often the answer is right.
+
+A quality run asks the question only where the engine doubts a pick, a few times a bank, so it
+says little about the question itself. Here every pair the banks' labels make is asked:
+
+- ``same label``: a later fact of a duplicate or state-change label and its label's first
+  fact, standing for the observation it joins (the answer should be yes);
+- ``hard negative``: facts of two labels a bank keeps apart (``distinct_from``; no);
+- ``shares a word``: facts of two other labels of one scope that share a telling word (no);
+- with ``--set changes``, every fact that announces a change against the first fact of each
+  label of its scope told before it: ``change of it`` (yes) and ``change of another`` (no).
+
+Each pair is asked as the engine asks it; with ``--change-instructions`` a fact that announces a
+change is asked with :data:`CHANGE_INSTRUCTIONS` instead, a variant docs/quality.md measured and
+the engine did not adopt. Against the lane's model (``--model``; its venv and model must be
+installed: ``python -m bench realmodel`` once) or any OpenAI-compatible endpoint
+(``--base-url``, ``--llm-model``). A few minutes a bank on the lane; the server reuses the
+previous prompt's evaluation, so an answer on the edge may differ from a quality run's
+(:mod:`bench.realmodel.probe`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import itertools
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+from bench.quality.banks import DEFAULT_BANK_FILES, QualityBank, load_banks
+from bench.realmodel.report import LabelledMemory
+from bench.realmodel.server import DEFAULT_HOME, MODELS, installed_server
+from consolidation.errors import InvalidLLMOutput
+from consolidation.llm import narrow
+from consolidation.llm.client import HTTPConsolidator
+from consolidation.llm.prompts_v2 import Shown, confirm_chat, parse_confirm
+
+SAME_LABEL = "same label"
+HARD_NEGATIVE = "hard negative"
+SHARES_A_WORD = "shares a word"
+CHANGE_OF_IT = "change of it"
+CHANGE_OF_ANOTHER = "change of another"
+KINDS = (SAME_LABEL, HARD_NEGATIVE, SHARES_A_WORD, CHANGE_OF_IT, CHANGE_OF_ANOTHER)
+YES_KINDS = frozenset({SAME_LABEL, CHANGE_OF_IT})
+SETS = ("pairs", "changes")
+
+# Asked "about the same thing", the 1.5B model answers no to most changes of the very observation
+# they change; these instructions ask whether the change is to what the observation states.
+# It then says yes to most of those, and to many changes of other observations too.
+CHANGE_INSTRUCTIONS = """\
+You keep an AI agent's memory tidy. INPUT is one JSON object with an existing "observation" and \
+a new "fact" that reports a change: something moved, was replaced, switched, rose, was \
+postponed or started anew. Answer "yes" when the change is to the very thing the observation \
+states, so that the observation now holds an old value: a new job replaces the old job, a new \
+home the old home, a new version, tool or supplier the old one, a new date or price the old \
+one of the same event or item. Answer "no" when the change is to something else, even if it \
+names the same person, project or place: a project's new database does not change its \
+language, a new launch date does not change its budget, two people called Anna are two people.
+
+ANSWER with one JSON object: {"same_subject": "yes"} or {"same_subject": "no"}. Nothing else.
+"""
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One question: is ``fact`` about what ``observation`` states."""
+
+    bank: str
+    scope: tuple[str, ...]
+    observation: str
+    fact: str
+    kind: str
+
+    @property
+    def want(self) -> bool:
+        return self.kind in YES_KINDS
+
+
+def _scopes(qbank: QualityBank) -> dict[tuple[str, ...], list[LabelledMemory]]:
+    by_scope: dict[tuple[str, ...], list[LabelledMemory]] = {}
+    for memory in sorted(qbank.bank.memories, key=lambda m: m.occurred_at or ""):
+        by_scope.setdefault(tuple(memory.tags), []).append(memory)
+    return by_scope
+
+
+def pairs(qbank: QualityBank) -> list[Pair]:
+    """The ``same label``, ``hard negative`` and ``shares a word`` pairs of a bank."""
+    hard = {frozenset(p) for p in qbank.hard_negatives}
+    found: list[Pair] = []
+    for scope, memories in _scopes(qbank).items():
+        common = narrow.common_stems(m.text for m in memories) | narrow.scope_stems(scope)
+        first: dict[str, LabelledMemory] = {}
+        for memory in memories:
+            head = first.setdefault(memory.label, memory)
+            kind = qbank.bank.labels[memory.label].kind
+            if head is not memory and kind != "fact":
+                found.append(Pair(qbank.name, scope, head.text, memory.text, SAME_LABEL))
+        for a, b in itertools.combinations(memories, 2):
+            if a.label == b.label:
+                continue
+            if frozenset((a.label, b.label)) in hard:
+                found.append(Pair(qbank.name, scope, a.text, b.text, HARD_NEGATIVE))
+            elif narrow.telling_words(a.text, b.text, common):
+                found.append(Pair(qbank.name, scope, a.text, b.text, SHARES_A_WORD))
+    return found
+
+
+def change_pairs(qbank: QualityBank) -> list[Pair]:
+    """Every fact that announces a change against the first fact of each label of its scope
+    told before it."""
+    found: list[Pair] = []
+    for scope, memories in _scopes(qbank).items():
+        first: dict[str, LabelledMemory] = {}
+        for memory in memories:
+            if narrow.announces_change(memory.text):
+                found += [
+                    Pair(
+                        qbank.name,
+                        scope,
+                        head.text,
+                        memory.text,
+                        CHANGE_OF_IT if label == memory.label else CHANGE_OF_ANOTHER,
+                    )
+                    for label, head in first.items()
+                ]
+            first.setdefault(memory.label, memory)
+    return found
+
+
+async def ask(
+    llm: HTTPConsolidator, asked: Sequence[Pair], *, change_instructions: bool
+) -> list[bool | None]:
+    """The model's answer to each pair, one request at a time; None for an unusable answer."""
+    answers: list[bool | None] = []
+    for pair in asked:
+        chat = confirm_chat(
+            pair.bank, pair.scope, None, Shown("f1", pair.fact), Shown("o1", pair.observation)
+        )
+        if change_instructions and narrow.announces_change(pair.fact):
+            chat = dataclasses.replace(chat, system=CHANGE_INSTRUCTIONS)
+        try:
+            answers.append(parse_confirm((await llm.complete(chat)).content))
+        except InvalidLLMOutput:
+            answers.append(None)
+    return answers
+
+
+def render(asked: Sequence[Pair], answers: Sequence[bool | None]) -> str:
+    """A line per bank and kind: how many pairs got the answer their labels want, then the
+    pairs that did not."""
+    right: Counter[tuple[str, str]] = Counter()
+    total: Counter[tuple[str, str]] = Counter()
+    misses = []
+    for pair, answer in zip(asked, answers, strict=True):
+        total[pair.bank, pair.kind] += 1
+        if answer == pair.want:
+            right[pair.bank, pair.kind] += 1
+        else:
+            said = "unusable" if answer is None else ("yes" if answer else "no")
+            misses.append(f"  {said:8} {pair.kind:17} {pair.observation} | {pair.fact}")
+    lines = ["bank                 kind               right  (wanted)"]
+    for bank, kind in sorted(total, key=lambda k: (k[0], KINDS.index(k[1]))):
+        want = "yes" if kind in YES_KINDS else "no"
+        lines.append(f"{bank:20} {kind:17} {right[bank, kind]:3}/{total[bank, kind]:<3} ({want})")
+    return "\n".join([*lines, "answered otherwise:", *misses])
+
+
+async def _run(
+    url: str, model: str, asked: Sequence[Pair], *, change_instructions: bool
+) -> list[bool | None]:
+    llm = HTTPConsolidator(base_url=url, model=model, timeout_s=600)
+    try:
+        return await ask(llm, asked, change_instructions=change_instructions)
+    finally:
+        await llm.aclose()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.realmodel.confirm", description=__doc__)
+    parser.add_argument("--model", default="qwen2.5-coder-1.5b", choices=sorted(MODELS))
+    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_HOME)
+    parser.add_argument("--base-url", help="an OpenAI-compatible endpoint instead of the lane")
+    parser.add_argument("--llm-model", default="default", help="the model name it serves")
+    parser.add_argument("--bank", action="append", help="a bank id (repeatable; default all)")
+    parser.add_argument("--set", choices=SETS, default="pairs", dest="which")
+    parser.add_argument(
+        "--change-instructions",
+        action="store_true",
+        help="ask a fact that announces a change with CHANGE_INSTRUCTIONS",
+    )
+    parser.add_argument("--json", type=Path, help="write every pair and its answer here")
+    args = parser.parse_args(argv)
+    banks = load_banks(DEFAULT_BANK_FILES)
+    unknown = sorted(set(args.bank or ()) - {b.name for b in banks})
+    if unknown:
+        parser.error(f"unknown bank(s) {unknown}; known: {sorted(b.name for b in banks)}")
+    chosen = [b for b in banks if not args.bank or b.name in args.bank]
+    make = pairs if args.which == "pairs" else change_pairs
+    asked = [pair for qbank in chosen for pair in make(qbank)]
+    if args.base_url:
+        answers = asyncio.run(
+            _run(args.base_url, args.llm_model, asked, change_instructions=args.change_instructions)
+        )
+    else:
+        try:
+            server = installed_server(args.cache_dir, args.model, "confirm-server.log")
+        except FileNotFoundError as exc:
+            parser.error(str(exc))
+        with server:
+            answers = asyncio.run(
+                _run(server.url, args.model, asked, change_instructions=args.change_instructions)
+            )
+    if args.json:
+        rows = [
+            {**vars(p), "want": p.want, "answer": a} for p, a in zip(asked, answers, strict=True)
+        ]
+        args.json.write_bytes(orjson.dumps(rows, option=orjson.OPT_INDENT_2))
+    print(render(asked, answers))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
