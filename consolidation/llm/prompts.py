@@ -442,9 +442,12 @@ class _AnswerChecker:
 
     def _from_input(self, text: str) -> bool:
         """Whether every word of ``text`` stands in a text the model was shown: a fact or an
-        observation that says little is not a placeholder when repeated, or combined."""
+        observation that says little is not a placeholder when repeated, or combined. A word
+        may end with a full stop the combination added (".:" joined as ".:."), but punctuation
+        alone ("...") must itself have been shown."""
+        shown = self.request.input_texts
         return all(
-            any(word in shown for shown in self.request.input_texts) for word in text.split()
+            any((word.rstrip(".!?") or word) in text for text in shown) for word in text.split()
         )
 
     def facts(self, where: str, value: object) -> tuple[UUID, ...]:

@@ -7,7 +7,7 @@ from typing import Any
 from uuid import UUID
 
 import orjson
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
@@ -229,6 +229,7 @@ _texts = st.one_of(
 
 
 @given(st.lists(_texts, max_size=8), st.lists(_texts, max_size=8))
+@example(["."], [".:", ":."])  # merged as ".:. :.": the join's full stop after ".:"
 def test_answers_always_pass_parse_answer(facts: list[str], observations: list[str]) -> None:
     request = _request(facts, observations)
     answer = consolidate(orjson.loads(request.user_content))
