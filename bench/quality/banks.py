@@ -22,6 +22,7 @@ DEFAULT_BANK_FILES = (
     BANKS_DIR / "household_diary.json",
     BANKS_DIR / "bookshop.json",
     BANKS_DIR / "smallholding.json",
+    BANKS_DIR / "clinic.json",
 )
 
 
