@@ -452,11 +452,23 @@ _MONTH_NAMES = (
 _MONTH_WORDS = frozenset(name for names in _MONTH_NAMES for name in names)
 
 
-# A day of the calendar as a memory names it: "16 October", "the 3rd of May", "March 1st"; not a
-# month and year ("August 2029"), nor an ISO date, which is how the service dates what it folds in.
+# A day of the calendar as a memory names it: "16 October", "the 3rd of May", "March 1st", "the
+# first of April", "June the twenty-first"; not a month and year ("August 2029"), nor an ISO date,
+# which is how the service dates what it folds in. A day in words is an ordinal ("the first
+# Thursday of the month" is no day of the calendar): before its month, with "of".
 _MONTHS = "(?:" + "|".join(sorted(_MONTH_WORDS, key=lambda w: (-len(w), w))) + r")\.?"
+_ORDINAL_TEXT = """
+    first second third fourth fifth sixth seventh eighth ninth tenth eleventh twelfth thirteenth
+    fourteenth fifteenth sixteenth seventeenth eighteenth nineteenth twentieth thirtieth
+"""
+_ORDINALS = (
+    r"(?:(?:twenty|thirty)[- ](?:first|second|third|fourth|fifth|sixth|seventh|eighth|ninth)|"
+    + "|".join(_ORDINAL_TEXT.split())
+    + ")"
+)
 _DAY = re.compile(
     rf"\b\d{{1,2}}(?:st|nd|rd|th)?(?: of)? {_MONTHS}(?![a-z])|\b{_MONTHS} \d{{1,2}}(?:st|nd|rd|th)?\b(?!\d)"
+    rf"|\b{_ORDINALS} of {_MONTHS}(?![a-z])|\b{_MONTHS} (?:the )?{_ORDINALS}\b"
 )
 
 

@@ -29,14 +29,14 @@ ROOT = Path(__file__).resolve().parents[2]
 #
 # On the clinic bank, written unseen the same way ("A third unseen bank: clinic"): "Royal College
 # fees renew on the first of April" restates "My RCVS registration renewal is due on 1 April every
-# year" with one shared stem (below the lexical floor) and, as the engine reads days, without the
-# day its candidate names; "Since April 2026 Ravi Desai does my books and tax return" shares no
-# word with the accountant it replaces and is 0.37 from it by MiniLM, below the cosine floor.
+# year" with one shared stem, below the lexical floor (with MiniLM it is found at 0.45); "Since
+# April 2026 Ravi Desai does my books and tax return" shares no word with the accountant it
+# replaces and is 0.37 from it by MiniLM, below the cosine floor.
 V2_ORACLE_MISSES = {
     ("smallholding", "words"): {"hen-flock", "honesty-box", "pig-feed"},
     ("smallholding", "minilm"): {"honesty-box", "pig-feed"},
     ("clinic", "words"): {"rcvs-renewal", "accountant"},
-    ("clinic", "minilm"): {"rcvs-renewal", "accountant"},
+    ("clinic", "minilm"): {"accountant"},
 }
 
 

@@ -756,6 +756,11 @@ def test_a_fact_measuring_another_property_of_the_subject_is_new_whatever_the_mo
         ("The launch moved to the 3rd of May.", True),
         ("The review is on March 1st.", True),
         ("Our DBA was Anna Kowalski on September 1, 2025.", True),
+        ("Royal College fees renew on the first of April.", True),
+        ("The fair is on the twenty-first of June.", True),
+        ("The audit is on June the thirtieth.", True),
+        ("The book club meets on the first Thursday of every month.", False),  # no calendar day
+        ("The second of the three March invoices was late.", False),
         ("My passport expires in August 2029.", False),  # a month, not a day
         ("May I bring the plan on Monday?", False),
         ("I live in Paris. As of 2026-03-01: I moved to Berlin.", False),  # the join's dating
@@ -774,6 +779,9 @@ def test_what_is_said_of_a_dated_thing_without_its_day_is_another_property_of_it
     assert not narrow.measures_other("The poetry evening is on 16 October.", event)
     assert not narrow.measures_other("The poetry evening is now on 30 October.", event)
     assert not narrow.measures_other("The poetry evening has been postponed.", event)
+    # ... in digits or in words.
+    renewal = "My RCVS registration renewal is due on 1 April every year."
+    assert not narrow.measures_other("Royal College fees renew on the first of April.", renewal)
     # Only the candidate's day counts: an undated candidate is judged by the words.
     assert not narrow.measures_other(event, "Idris Vale is the guest poet at the poetry evening.")
     given = inputs(["Idris Vale is the guest poet at the poetry evening."], [event])
