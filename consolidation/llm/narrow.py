@@ -388,8 +388,8 @@ CHANGE_WORDS = frozenset(_CHANGE_TEXT.split())
 
 
 # A text that opens by saying from when it holds ("From March 2026 the kids' section is stocked
-# through Kestrel", "As of Monday, ...", "Starting next week ...") gives a new state, often in
-# words the old one never used. A range that opens the text ("From 17 to 19 October we ...",
+# through Kestrel", "As of Monday, ...", "Starting next week ...", "Since April 2026 Ravi Desai
+# does my books") gives a new state, often in words the old one never used. A range that opens the text ("From 17 to 19 October we ...",
 # "From Monday to Friday nobody serves") is when something lasts, not since when: its "to" comes
 # within the three words after "from"; a later "to" is the new state's ("From April 2026 the
 # shop price for six eggs goes up to £2.60").
@@ -398,16 +398,21 @@ _WHEN = (
     r"|monday|tuesday|wednesday|thursday|friday|saturday|sunday|next|this|today|tomorrow|\d)"
 )
 _FROM_WHEN = re.compile(
-    rf"\A\W*(?:from|as of|starting|effective|beginning)\s+(?:the\s+)?{_WHEN}"
+    rf"\A\W*(?:from|as of|since|starting|effective|beginning)\s+(?:the\s+)?{_WHEN}"
     r"(?!\S*(?:\s+[^\s,.;]+){0,2}?\s+(?:to|until|till)\b)",
     re.IGNORECASE,
 )
 
 
+def says_change(text: str) -> bool:
+    """Whether ``text`` says in words that something changed (:data:`CHANGE_WORDS`)."""
+    return not CHANGE_WORDS.isdisjoint(offline.content_words(text))
+
+
 def announces_change(text: str) -> bool:
-    """Whether ``text`` says outright that something changed (:data:`CHANGE_WORDS`) or opens by
+    """Whether ``text`` says outright that something changed (:func:`says_change`) or opens by
     saying from when it holds (:data:`_FROM_WHEN`)."""
-    return not CHANGE_WORDS.isdisjoint(offline.content_words(text)) or bool(_FROM_WHEN.match(text))
+    return says_change(text) or bool(_FROM_WHEN.match(text))
 
 
 # What a fact can measure of its subject. Two texts that each give a value, of no common kind, say
@@ -485,9 +490,13 @@ def measures_other(fact: str, candidate: str) -> bool:
     is booked for 16 October") and the fact names none ("Idris Vale is the guest poet at the
     poetry evening"): a restatement of a date says the day, a new date names the new one, and
     whatever else is said of a dated thing (who, where, how) is another property of it.
-    A fact that announces a change may change what is measured ("Backups now run every six
-    hours" of "Backups run every night at 02:00"), so it is never told apart this way."""
-    if announces_change(fact):
+    A fact that says a change in words may change what is measured ("Backups now run every six
+    hours" of "Backups run every night at 02:00") or the day ("The poetry evening has been
+    postponed"), so it is never told apart this way. One that only opens by saying from when it
+    holds gives the new state's values like any other fact: "Since November 2025 we buy the sow
+    and weaner ration from Corran Feeds" is no new day of "Peggy, our Tamworth sow, is due to
+    farrow on 12 June 2025"."""
+    if says_change(fact):
         return False
     given, other = measures(fact), measures(candidate)
     if given and other and given.isdisjoint(other):
@@ -663,7 +672,11 @@ def stronger(found: Candidates, ref: str, decision: Decision) -> Decision | None
         return Decision(NEW) if unseen else None
     linked = _change_links(found, question, decision.target)
     if not linked:
-        named = _others_sharing(found, question, decision.target, 1)
+        named = [
+            other
+            for other in _others_sharing(found, question, decision.target, 1)
+            if not measures_other(question.fact.text, candidate_text(question, other) or "")
+        ]
         if len(named) == 1:
             return Decision(decision.kind, named[0])
     if decision.kind == UPDATE and linked:

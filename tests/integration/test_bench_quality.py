@@ -18,25 +18,22 @@ from bench.quality.judge import shortfalls
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# What a perfect model's decisions over contract v2 leave short on the smallholding bank, written
-# unseen after every rule of the engine (docs/quality.md, "A second unseen bank: smallholding"):
-# a restatement or a new state that shares no telling word with what it restates or replaces,
-# and that no rule was fitted to find. "From Monday to Friday nobody serves; customers pay into
-# the trust tin by the door" is 0.39 by MiniLM from the honesty box it restates, below the cosine
-# floor; "Our layer flock is 11 birds" shares only a count with "We keep eleven laying hens", and
-# without embeddings nothing else; "Since November 2025 we buy the sow and weaner ration from
-# Corran Feeds" is 0.30 from the pig nuts it replaces and announces no change the engine reads.
-#
-# On the clinic bank, written unseen the same way ("A third unseen bank: clinic"): "Royal College
-# fees renew on the first of April" restates "My RCVS registration renewal is due on 1 April every
-# year" with one shared stem, below the lexical floor (with MiniLM it is found at 0.45); "Since
-# April 2026 Ravi Desai does my books and tax return" shares no word with the accountant it
-# replaces and is 0.37 from it by MiniLM, below the cosine floor.
+# What a perfect model's decisions over contract v2 leave short on the banks written unseen after
+# the engine's rules (docs/quality.md, "A second unseen bank: smallholding", "A third unseen
+# bank: clinic"): a restatement or a new state that shares no telling word with what it restates
+# or replaces, and that no rule was fitted to find. "From Monday to Friday nobody serves;
+# customers pay into the trust tin by the door" is 0.39 by MiniLM from the honesty box it
+# restates, below the cosine floor. Without embeddings, nothing else links: "Our layer flock is 11
+# birds" shares only a count with "We keep eleven laying hens"; "Since November 2025 we buy the
+# sow and weaner ration from Corran Feeds" shares a word only with the sow's farrowing date (with
+# MiniLM the old feed is among its candidates, at 0.30, as a change's floor is lower); "Royal
+# College fees renew on the first of April" shares one stem with the renewal it restates (with
+# MiniLM, 0.45); "Since April 2026 Ravi Desai does my books and tax return" none with the
+# accountant it replaces (with MiniLM, 0.37, its nearest candidate).
 V2_ORACLE_MISSES = {
     ("smallholding", "words"): {"hen-flock", "honesty-box", "pig-feed"},
-    ("smallholding", "minilm"): {"honesty-box", "pig-feed"},
+    ("smallholding", "minilm"): {"honesty-box"},
     ("clinic", "words"): {"rcvs-renewal", "accountant"},
-    ("clinic", "minilm"): {"accountant"},
 }
 
 

@@ -631,6 +631,31 @@ def test_an_announced_change_stands_on_its_nearest_candidate_by_cosine() -> None
     assert narrow.stronger(lexical, "f1", Decision("update", "o1")) is None
 
 
+def test_a_state_given_from_when_it_holds_is_no_new_day_of_a_dated_thing() -> None:
+    # "Since ..." gives the new state's values like any fact: no day, so not the sow's farrowing
+    # date; a change said in words may drop the day ("postponed"), as before.
+    ration = "Since November 2025 we buy the sow and weaner ration from Corran Feeds."
+    peggy = "Peggy, our Tamworth sow, is due to farrow on 12 June 2025."
+    assert narrow.measures_other(ration, peggy)
+    assert not narrow.measures_other("Peggy's farrowing has been postponed.", peggy)
+    assert not narrow.measures_other(
+        "Since May 2025 we buy pig nuts from Corran.", "We buy pig nuts."
+    )
+    # Pointed at the old feed, nearest by neither words nor cosine, the change is not moved onto
+    # the sow it names something of: the sow is another property; the pick is asked about.
+    old_feed = "We get our pig nuts from Darwell Mills."
+    given = inputs([ration], [peggy, old_feed])
+    vectors = {ration: [1.0, 0.0], peggy: _at(0.40), old_feed: _at(0.30)}
+    found = narrow.pick_candidates(given, vectors, OPTIONS)
+    assert [c.ref for c in found.question("f1").candidates] == ["o1", "o2"]
+    assert found.shared["f1", "o1"] == 1 and found.shared["f1", "o2"] == 0
+    assert narrow.stronger(found, "f1", Decision("update", "o2")) is None
+    # Pointed at the sow, the update stands (its nearest, a word shared), then is set apart.
+    said = {"f1": Decision("update", "o1")}
+    assert narrow.stronger(found, "f1", said["f1"]) == said["f1"]
+    assert narrow.apart(found, said) == ["f1"]
+
+
 def _at(cos: float) -> list[float]:
     """A unit vector at cosine ``cos`` of [1, 0]."""
     return [cos, (1 - cos * cos) ** 0.5]
@@ -868,6 +893,10 @@ def test_a_change_near_nothing_is_shown_every_observation_and_other_facts_none()
         ("From April 2026 the shop price for six eggs goes up to £2.60.", True),
         ("From next month the rota goes back to two shifts.", True),
         ("From the start the shop sold second-hand books.", False),
+        ("Since April 2026 Ravi Desai does my books and tax return.", True),
+        ("Since November 2025 we buy the sow and weaner ration from Corran Feeds.", True),
+        ("Since then the shop has opened late on Thursdays.", False),
+        ("Since the roof leaks we store the hay in the barn.", False),
         ("Fresh bread arrives from Tuesday's bakery.", False),
     ],
 )
