@@ -389,10 +389,10 @@ CHANGE_WORDS = frozenset(_CHANGE_TEXT.split())
 
 # A text that opens by saying from when it holds ("From March 2026 the kids' section is stocked
 # through Kestrel", "As of Monday, ...", "Starting next week ...", "Since April 2026 Ravi Desai
-# does my books") gives a new state, often in words the old one never used. A range that opens the text ("From 17 to 19 October we ...",
-# "From Monday to Friday nobody serves") is when something lasts, not since when: its "to" comes
-# within the three words after "from"; a later "to" is the new state's ("From April 2026 the
-# shop price for six eggs goes up to £2.60").
+# does my books") gives a new state, often in words the old one never used. A range that opens
+# the text ("From 17 to 19 October we ...", "From Monday to Friday nobody serves") is when
+# something lasts, not since when: its "to" comes within the three words after "from"; a later
+# "to" is the new state's ("From April 2026 the shop price for six eggs goes up to £2.60").
 _WHEN = (
     r"(?:january|february|march|april|may|june|july|august|september|october|november|december"
     r"|monday|tuesday|wednesday|thursday|friday|saturday|sunday|next|this|today|tomorrow|\d)"
@@ -654,7 +654,9 @@ def stronger(found: Candidates, ref: str, decision: Decision) -> Decision | None
     no nearest, so such a pick is always new; a paraphrase that shares no word but is the
     nearest is asked. A fact that announces a change, pointed at a candidate it has no link to
     (no telling word shared, not its nearest) while exactly one other candidate names something
-    of it, gets the same kind of decision on that one, as an announced change stands on one word
+    of it and measures nothing else of the subject (:func:`measures_other`: not the sow Peggy's
+    farrowing date for "Since November 2025 we buy the sow and weaner ration"), gets the same
+    kind of decision on that one, as an announced change stands on one word
     ("I'm settled in Berlin now, living in Kreuzberg" as an update of "My sister Anna lives in
     Vienna", with the residence's "... I moved from Paris to Berlin" beside it). Else a change
     called the ``same`` as a candidate it has no link to is ``new`` without asking too: a
