@@ -447,7 +447,7 @@ class _AnswerChecker:
         alone ("...") must itself have been shown."""
         shown = self.request.input_texts
         return all(
-            any((word.rstrip(".!?") or word) in text for text in shown) for word in text.split()
+            any((word.rstrip(".!?") or word) in given for given in shown) for word in text.split()
         )
 
     def facts(self, where: str, value: object) -> tuple[UUID, ...]:
