@@ -327,10 +327,18 @@ def pick_candidates(
             for score, _, other in scored[: options.candidates]:
                 nearness[fact.ref, other.ref] = score
                 chosen.append(other)
-        if not chosen and fact.ref not in by_cosine and change:
+        if (
+            fact.ref not in by_cosine
+            and change
+            and all(measures_other(fact.text, other.text) for other in chosen)
+        ):
             # Without vectors a new state may share no word with the old ("I started a new job
             # at Globex" of "I work at Acme"): near nothing, it is shown every observation of
-            # the pass. (With vectors, nothing above the cosine floor is nothing near.)
+            # the pass. So is one near only what measures another property of it, which
+            # :func:`apart` would set aside: "Since April 2026 Ravi Desai does my books" shares
+            # "book" with "I'm booked on the congress, 26 to 29 March", and not a word with "My
+            # accountant is Gillian Marsh". (With vectors, nothing above the cosine floor is
+            # nothing near.)
             chosen = list(inputs.observations)
             nearness.update(((fact.ref, o.ref), overlap(fact.text, o.text)) for o in chosen)
         if not chosen:

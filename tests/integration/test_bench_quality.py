@@ -31,9 +31,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # MiniLM, 0.45); "Since April 2026 Ravi Desai does my books and tax return" none with the
 # accountant it replaces (with MiniLM, 0.37, its nearest candidate).
 V2_ORACLE_MISSES = {
-    ("smallholding", "words"): {"hen-flock", "honesty-box", "pig-feed"},
+    ("smallholding", "words"): {"hen-flock", "honesty-box"},
     ("smallholding", "minilm"): {"honesty-box"},
-    ("clinic", "words"): {"rcvs-renewal", "accountant"},
+    ("clinic", "words"): {"rcvs-renewal"},
 }
 
 

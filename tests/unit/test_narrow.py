@@ -879,6 +879,32 @@ def test_a_change_near_nothing_is_shown_every_observation_and_other_facts_none()
     assert narrow.pick_candidates(given, vectors, OPTIONS).questions == ()
 
 
+def test_a_change_near_only_what_measures_another_property_is_shown_every_observation() -> None:
+    fact = "Since April 2026 Ravi Desai does my books and tax return."
+    congress = "I'm booked on the BSAVA congress in Manchester, 26 to 29 March 2026."
+    observations = [congress, "My accountant is Gillian Marsh at Marsh & Co.", "I swim on Fridays."]
+    given = inputs([fact], observations)
+    # "books" and "booked": the congress alone is near, and it names a day the fact does not.
+    assert narrow.overlap(fact, congress) >= OPTIONS.lexical_floor
+    assert narrow.measures_other(fact, congress)
+    found = narrow.pick_candidates(given, None, OPTIONS)
+    assert [c.text for c in found.question("f1").candidates] == observations
+    # Without the announced change, it keeps its one near candidate (which apart sets aside).
+    plain = inputs(["Ravi Desai does my books and tax return."], observations)
+    assert [
+        c.text for c in narrow.pick_candidates(plain, None, OPTIONS).questions[0].candidates
+    ] == [congress]
+    # A change near a candidate that may be its old state is shown that candidate alone.
+    nightline = "Out-of-hours calls are diverted to Nightline Vets in Brampton."
+    castlegate = (
+        "We've switched our out-of-hours cover to Castlegate Emergency Vets from 1 September."
+    )
+    switched = narrow.pick_candidates(
+        inputs([castlegate], [nightline, *observations]), None, OPTIONS
+    )
+    assert [c.text for c in switched.question("f1").candidates] == [nightline]
+
+
 @pytest.mark.parametrize(
     ("text", "change"),
     [
