@@ -333,13 +333,18 @@ def pick_candidates(
             and all(measures_other(fact.text, other.text) for other in chosen)
         ):
             # Without vectors a new state may share no word with the old ("I started a new job
-            # at Globex" of "I work at Acme"): near nothing, it is shown every observation of
-            # the pass. So is one near only what measures another property of it, which
-            # :func:`apart` would set aside: "Since April 2026 Ravi Desai does my books" shares
-            # "book" with "I'm booked on the congress, 26 to 29 March", and not a word with "My
-            # accountant is Gillian Marsh". (With vectors, nothing above the cosine floor is
-            # nothing near.)
-            chosen = list(inputs.observations)
+            # at Globex" of "I work at Acme"): near nothing, or near only what measures another
+            # property of it (which :func:`apart` sets aside: "Since April 2026 Ravi Desai does
+            # my books" shares "book" with "I'm booked on the congress, 26 to 29 March" and no
+            # word with "My accountant is Gillian Marsh"), it is shown every observation of the
+            # pass that could be its old state, the nearer first as any candidates: "As of March
+            # 2026 the late evening moves to Tuesdays" shares "late" with the late surgery, too
+            # little of its long text to be near. (With vectors, nothing above the cosine floor
+            # is nothing near.)
+            chosen = sorted(
+                (o for o in inputs.observations if not measures_other(fact.text, o.text)),
+                key=lambda o: -overlap(fact.text, o.text),
+            )
             nearness.update(((fact.ref, o.ref), overlap(fact.text, o.text)) for o in chosen)
         if not chosen:
             continue

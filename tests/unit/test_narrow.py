@@ -879,16 +879,20 @@ def test_a_change_near_nothing_is_shown_every_observation_and_other_facts_none()
     assert narrow.pick_candidates(given, vectors, OPTIONS).questions == ()
 
 
-def test_a_change_near_only_what_measures_another_property_is_shown_every_observation() -> None:
+def test_a_change_near_only_another_property_is_shown_what_may_be_its_old_state() -> None:
     fact = "Since April 2026 Ravi Desai does my books and tax return."
     congress = "I'm booked on the BSAVA congress in Manchester, 26 to 29 March 2026."
-    observations = [congress, "My accountant is Gillian Marsh at Marsh & Co.", "I swim on Fridays."]
+    accountant = "My accountant is Gillian Marsh at Marsh & Co."
+    swim = "On Saturday mornings I swim at Westgate Lido, my one hour off all week, from April."
+    observations = [congress, "The MOT is due on 18 November.", accountant, swim]
     given = inputs([fact], observations)
     # "books" and "booked": the congress alone is near, and it names a day the fact does not.
     assert narrow.overlap(fact, congress) >= OPTIONS.lexical_floor
     assert narrow.measures_other(fact, congress)
     found = narrow.pick_candidates(given, None, OPTIONS)
-    assert [c.text for c in found.question("f1").candidates] == observations
+    # Shown every observation but the dated ones, which any pick would set apart; the swim,
+    # which shares "April" with the fact (too little of its text to be near), first.
+    assert [c.text for c in found.question("f1").candidates] == [swim, accountant]
     # Without the announced change, it keeps its one near candidate (which apart sets aside).
     plain = inputs(["Ravi Desai does my books and tax return."], observations)
     assert [
