@@ -658,7 +658,9 @@ def stronger(found: Candidates, ref: str, decision: Decision) -> Decision | None
     the launch's observation beside it; "Leo quit football" as an update of Leo's allergy, with
     his football club beside it). Else an update that announces a change stands when the
     candidate names something of it ("I moved from Paris to Berlin" of "I live in Paris") or is
-    its nearest candidate by cosine ("I started a new job at Globex" of "I work at Acme").
+    its nearest candidate by cosine ("I started a new job at Globex" of "I work at Acme"); so
+    does a ``same`` of its nearest, which :func:`checked_decisions` makes the update it is ("Since
+    April 2026 Ravi Desai does my books" the same as "My accountant is Gillian Marsh", 0.37).
     A fact that announces no change and shares no telling word with the candidate is ``new``
     without asking unless the candidate is its nearest by cosine: with no word shared, the
     cosine is the only sign of a link ("Runbooks live in the ops wiki" of "The ops standup is at
@@ -694,7 +696,7 @@ def stronger(found: Candidates, ref: str, decision: Decision) -> Decision | None
         ]
         if len(named) == 1:
             return Decision(decision.kind, named[0])
-    if decision.kind == UPDATE and linked:
+    if linked and (decision.kind == UPDATE or decision.target == _nearest(found, question)):
         return decision
     return Decision(NEW) if decision.kind == SAME and not linked else None
 

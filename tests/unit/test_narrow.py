@@ -625,7 +625,13 @@ def test_an_announced_change_stands_on_its_nearest_candidate_by_cosine() -> None
     assert found.shared["f1", "o1"] == 0
     assert narrow.stronger(found, "f1", Decision("update", "o1")) == Decision("update", "o1")
     assert narrow.stronger(found, "f1", Decision("update", "o2")) is None
-    assert narrow.stronger(found, "f1", Decision("same", "o1")) is None
+    # Called the same as its nearest, it stands too: a change restates nothing, so checked
+    # decisions makes it the update it is; the same as a farther candidate is new, unasked.
+    assert narrow.stronger(found, "f1", Decision("same", "o1")) == Decision("same", "o1")
+    assert narrow.checked_decisions(found, {"f1": Decision("same", "o1")})["f1"] == Decision(
+        "update", "o1"
+    )
+    assert narrow.stronger(found, "f1", Decision("same", "o2")) == Decision("new")
     # Without embeddings the nearness is lexical: nothing shared, nothing stands.
     lexical = narrow.pick_candidates(given, None, narrow.NarrowOptions(lexical_floor=0.0))
     assert narrow.stronger(lexical, "f1", Decision("update", "o1")) is None
