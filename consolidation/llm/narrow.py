@@ -658,7 +658,8 @@ def stronger(found: Candidates, ref: str, decision: Decision) -> Decision | None
     the launch's observation beside it; "Leo quit football" as an update of Leo's allergy, with
     his football club beside it). Else an update that announces a change stands when the
     candidate names something of it ("I moved from Paris to Berlin" of "I live in Paris") or is
-    its nearest candidate by cosine ("I started a new job at Globex" of "I work at Acme"); so
+    its nearest candidate by cosine ("I started a new job at Globex" of "I work at Acme"), but
+    for the move below; so
     does a ``same`` of its nearest, which :func:`checked_decisions` makes the update it is ("Since
     April 2026 Ravi Desai does my books" the same as "My accountant is Gillian Marsh", 0.37).
     A fact that announces no change and shares no telling word with the candidate is ``new``
@@ -667,13 +668,16 @@ def stronger(found: Candidates, ref: str, decision: Decision) -> Decision | None
     09:30", sharing only the scope's name, is one a small model confirms; "The Atlas code lives
     in the internal GitLab" of the second-nearest Go backend, too). Without embeddings there is
     no nearest, so such a pick is always new; a paraphrase that shares no word but is the
-    nearest is asked. A fact that announces a change, pointed at a candidate it has no link to
-    (no telling word shared, not its nearest) while exactly one other candidate names something
-    of it and measures nothing else of the subject (:func:`measures_other`: not the sow Peggy's
-    farrowing date for "Since November 2025 we buy the sow and weaner ration"), gets the same
-    kind of decision on that one, as an announced change stands on one word
+    nearest is asked. A fact that announces a change, pointed at a candidate it names nothing of
+    (no telling word shared; its nearest or not) while exactly one other candidate names
+    something of it and measures nothing else of the subject (:func:`measures_other`: not the
+    sow Peggy's farrowing date for "Since November 2025 we buy the sow and weaner ration"), gets
+    the same kind of decision on that one, as an announced change stands on one word
     ("I'm settled in Berlin now, living in Kreuzberg" as an update of "My sister Anna lives in
-    Vienna", with the residence's "... I moved from Paris to Berlin" beside it). Else a change
+    Vienna", with the residence's "... I moved from Paris to Berlin" beside it; "As of March
+    2026 the late evening moves to Tuesdays" as an update of the drugs wholesaler, its nearest
+    by MiniLM, with the late surgery beside it): a word named is a surer sign than the cosine
+    of texts that share none. Else a change
     called the ``same`` as a candidate it has no link to is ``new`` without asking too: a
     change restates nothing it names nothing of ("I started a new job at Globex" as the same as
     "I go running every Sunday morning", shown every observation of the pass as it is near
@@ -688,7 +692,7 @@ def stronger(found: Candidates, ref: str, decision: Decision) -> Decision | None
         unseen = shared == 0 and decision.target != _nearest(found, question)
         return Decision(NEW) if unseen else None
     linked = _change_links(found, question, decision.target)
-    if not linked:
+    if shared == 0:  # no link, or only the cosine's
         named = [
             other
             for other in _others_sharing(found, question, decision.target, 1)

@@ -667,6 +667,34 @@ def _at(cos: float) -> list[float]:
     return [cos, (1 - cos * cos) ** 0.5]
 
 
+def test_a_change_nearest_to_what_it_names_nothing_of_moves_to_the_one_it_names() -> None:
+    # MiniLM puts the drugs wholesaler nearest to the late evening's move; the fact names
+    # something ("late") of the late surgery alone, which measures nothing else of it.
+    fact = "As of March 2026 the late evening moves to Tuesdays."
+    wholesaler = "We order our drugs from Harbour Vet Supplies; next-day delivery by 3pm."
+    surgery = "Late surgery is on Wednesdays; we stay open until 7pm."
+    alarm = "The fire alarm is tested every Monday at 8:30."
+    given = inputs([fact], [wholesaler, surgery, alarm])
+    vectors = {fact: [1.0, 0.0], wholesaler: _at(0.45), surgery: _at(0.42), alarm: _at(0.41)}
+    found = narrow.pick_candidates(given, vectors, narrow.NarrowOptions(cosine_floor=0.0))
+    assert [c.text for c in found.question("f1").candidates][:2] == [wholesaler, surgery]
+    assert found.shared["f1", "o1"] == 0 and found.shared["f1", "o2"] == 1
+    assert narrow.stronger(found, "f1", Decision("update", "o1")) == Decision("update", "o2")
+    # A pick that names something of the fact stands, nearest or not.
+    assert narrow.stronger(found, "f1", Decision("update", "o2")) == Decision("update", "o2")
+    # The one it names something of measures another property (a dated thing): the nearest
+    # stands ("Since April 2026 Ravi Desai does my books" of the old accountant, with the
+    # congress booked for 26 to 29 March beside it).
+    books = "Since April 2026 Ravi Desai does my books and tax return."
+    accountant = "My accountant is Gillian Marsh at Marsh & Co."
+    congress = "I'm booked on the BSAVA congress in Manchester, 26 to 29 March 2026."
+    given = inputs([books], [accountant, congress])
+    vectors = {books: [1.0, 0.0], accountant: _at(0.37), congress: _at(0.33)}
+    found = narrow.pick_candidates(given, vectors, narrow.NarrowOptions(cosine_floor=0.0))
+    assert found.shared["f1", "o2"] == 1
+    assert narrow.stronger(found, "f1", Decision("update", "o1")) == Decision("update", "o1")
+
+
 @pytest.mark.parametrize(
     ("fact", "cos", "linked"),
     [
