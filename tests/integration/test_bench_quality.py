@@ -20,16 +20,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # What a perfect model's decisions over contract v2 leave short on the banks written unseen after
 # the engine's rules (docs/quality.md, "A second unseen bank: smallholding", "A third unseen
-# bank: clinic"): a restatement or a new state that shares no telling word with what it restates
-# or replaces, and that no rule was fitted to find. "From Monday to Friday nobody serves;
-# customers pay into the trust tin by the door" is 0.39 by MiniLM from the honesty box it
-# restates, below the cosine floor. Without embeddings, nothing else links: "Our layer flock is 11
-# birds" shares only a count with "We keep eleven laying hens"; "Since November 2025 we buy the
-# sow and weaner ration from Corran Feeds" shares a word only with the sow's farrowing date (with
-# MiniLM the old feed is among its candidates, at 0.30, as a change's floor is lower); "Royal
-# College fees renew on the first of April" shares one stem with the renewal it restates (with
-# MiniLM, 0.45); "Since April 2026 Ravi Desai does my books and tax return" none with the
-# accountant it replaces (with MiniLM, 0.37, its nearest candidate).
+# bank: clinic"): a restatement that shares no telling word with what it restates, and that no
+# rule was fitted to find. "From Monday to Friday nobody serves; customers pay into the trust tin
+# by the door" is 0.39 by MiniLM from the honesty box it restates, below the cosine floor.
+# Without embeddings, nothing else links: "Our layer flock is 11 birds" shares only a count with
+# "We keep eleven laying hens"; "Royal College fees renew on the first of April" shares one stem
+# with the renewal it restates (with MiniLM, 0.45). (A change is shown every observation when it
+# is near nothing but what measures another property of it: docs/quality.md, "A change near only
+# another property".)
 V2_ORACLE_MISSES = {
     ("smallholding", "words"): {"hen-flock", "honesty-box"},
     ("smallholding", "minilm"): {"honesty-box"},
