@@ -652,36 +652,33 @@ def clearer(found: Candidates, ref: str, decision: Decision) -> Decision:
 def stronger(found: Candidates, ref: str, decision: Decision) -> Decision | None:
     """What to make of a doubtful same/update without asking again, or None to ask.
 
-    The model said the fact is not new and pointed at a candidate sharing too little with it:
-    when exactly one other candidate shares :data:`STRONG_LINK` telling words, the same kind of
-    decision on that one ("The Atlas launch has been postponed" as an update of the budget, with
-    the launch's observation beside it; "Leo quit football" as an update of Leo's allergy, with
-    his football club beside it). Else an update that announces a change stands when the
-    candidate names something of it ("I moved from Paris to Berlin" of "I live in Paris") or is
-    its nearest candidate by cosine ("I started a new job at Globex" of "I work at Acme"), but
-    for the move below; so
-    does a ``same`` of its nearest, which :func:`checked_decisions` makes the update it is ("Since
-    April 2026 Ravi Desai does my books" the same as "My accountant is Gillian Marsh", 0.37).
-    A fact that announces no change and shares no telling word with the candidate is ``new``
-    without asking unless the candidate is its nearest by cosine: with no word shared, the
-    cosine is the only sign of a link ("Runbooks live in the ops wiki" of "The ops standup is at
-    09:30", sharing only the scope's name, is one a small model confirms; "The Atlas code lives
-    in the internal GitLab" of the second-nearest Go backend, too). Without embeddings there is
-    no nearest, so such a pick is always new; a paraphrase that shares no word but is the
-    nearest is asked. A fact that announces a change, pointed at a candidate it names nothing of
-    (no telling word shared; its nearest or not) while exactly one other candidate names
-    something of it and measures nothing else of the subject (:func:`measures_other`: not the
-    sow Peggy's farrowing date for "Since November 2025 we buy the sow and weaner ration"), gets
-    the same kind of decision on that one, as an announced change stands on one word
-    ("I'm settled in Berlin now, living in Kreuzberg" as an update of "My sister Anna lives in
-    Vienna", with the residence's "... I moved from Paris to Berlin" beside it; "As of March
-    2026 the late evening moves to Tuesdays" as an update of the drugs wholesaler, its nearest
-    by MiniLM, with the late surgery beside it): a word named is a surer sign than the cosine
-    of texts that share none. Else a change
-    called the ``same`` as a candidate it has no link to is ``new`` without asking too: a
-    change restates nothing it names nothing of ("I started a new job at Globex" as the same as
-    "I go running every Sunday morning", shown every observation of the pass as it is near
-    none)."""
+    The model said the fact is not new and pointed at a candidate sharing too little with it: when
+    exactly one other candidate shares :data:`STRONG_LINK` telling words, the same kind of decision
+    on that one ("The Atlas launch has been postponed" as an update of the budget, with the launch's
+    observation beside it; "Leo quit football" as an update of Leo's allergy, with his football club
+    beside it). Else an update that announces a change stands when the candidate names something of
+    it ("I moved from Paris to Berlin" of "I live in Paris") or is its nearest candidate by cosine
+    ("I started a new job at Globex" of "I work at Acme"), but for the move below; so does a
+    ``same`` of its nearest, which :func:`checked_decisions` makes the update it is ("Since April
+    2026 Ravi Desai does my books" the same as "My accountant is Gillian Marsh", 0.37). A fact that
+    announces no change and shares no telling word with the candidate is ``new`` without asking
+    unless the candidate is its nearest by cosine: with no word shared, the cosine is the only sign
+    of a link ("Runbooks live in the ops wiki" of "The ops standup is at 09:30", sharing only the
+    scope's name, is one a small model confirms; "The Atlas code lives in the internal GitLab" of
+    the second-nearest Go backend, too). Without embeddings there is no nearest, so such a pick is
+    always new; a paraphrase that shares no word but is the nearest is asked. A fact that announces
+    a change, pointed at a candidate it names nothing of (no telling word shared; its nearest or
+    not) while exactly one other candidate names something of it and measures nothing else of the
+    subject (:func:`measures_other`: not the sow Peggy's farrowing date for "Since November 2025 we
+    buy the sow and weaner ration"), gets the same kind of decision on that one, as an announced
+    change stands on one word ("I'm settled in Berlin now, living in Kreuzberg" as an update of "My
+    sister Anna lives in Vienna", with the residence's "... I moved from Paris to Berlin" beside it;
+    "As of March 2026 the late evening moves to Tuesdays" as an update of the drugs wholesaler, its
+    nearest by MiniLM, with the late surgery beside it): a word named is a surer sign than the
+    cosine of texts that share none. Else a change called the ``same`` as a candidate it has no link
+    to is ``new`` without asking too: a change restates nothing it names nothing of ("I started a
+    new job at Globex" as the same as "I go running every Sunday morning", shown every observation
+    of the pass as it is near none)."""
     assert decision.target is not None
     question = found.question(ref)
     others = _others_sharing(found, question, decision.target, STRONG_LINK)
