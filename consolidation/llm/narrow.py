@@ -341,11 +341,15 @@ def pick_candidates(
             # 2026 the late evening moves to Tuesdays" shares "late" with the late surgery, too
             # little of its long text to be near. (With vectors, nothing above the cosine floor
             # is nothing near.)
+            near = {
+                o.ref: overlap(fact.text, o.text)
+                for o in inputs.observations
+                if not measures_other(fact.text, o.text)
+            }
             chosen = sorted(
-                (o for o in inputs.observations if not measures_other(fact.text, o.text)),
-                key=lambda o: -overlap(fact.text, o.text),
+                (o for o in inputs.observations if o.ref in near), key=lambda o: -near[o.ref]
             )
-            nearness.update(((fact.ref, o.ref), overlap(fact.text, o.text)) for o in chosen)
+            nearness.update(((fact.ref, ref), score) for ref, score in near.items())
         if not chosen:
             continue
         telling[fact.ref] = len(own_telling_words(fact.text, common))
