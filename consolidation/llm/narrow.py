@@ -135,6 +135,9 @@ class Candidates:
     shared: Mapping[tuple[str, str], int] = field(default_factory=dict)
     # How many stems of each questioned fact could tell its subject (:func:`own_telling_words`).
     telling: Mapping[str, int] = field(default_factory=dict)
+    # Each fact's nearest text by cosine above the floor, shown or not (a change is not shown
+    # what measures another property of it): a candidate is the nearest only if it is this.
+    nearest: Mapping[str, str] = field(default_factory=dict)
 
     def question(self, ref: str) -> Question:
         return next(q for q in self.questions if q.fact.ref == ref)
@@ -278,11 +281,16 @@ def pick_candidates(
 ) -> Candidates:
     """For each fact, its ``options.candidates`` nearest observations and as many nearest
     earlier facts of the pass, above the floor: cosine when both texts have vectors (with
-    ``by_sentence``,
-    to the nearer of an observation's whole text and its nearest sentence), else the overlap of
-    their word stems (:func:`overlap`). An observation grows a sentence at a time, and the cosine
-    to the whole text falls as it grows ("My cat Miso turned 5 this year": 0.68 to "I have a cat
-    named Miso.", 0.63 once "Miso, my cat, is a grey tabby." has joined it).
+    ``by_sentence``, to the nearer of an observation's whole text and its nearest sentence), else
+    the overlap of their word stems (:func:`overlap`). An observation grows a sentence at a time,
+    and the cosine to the whole text falls as it grows ("My cat Miso turned 5 this year": 0.68 to
+    "I have a cat named Miso.", 0.63 once "Miso, my cat, is a grey tabby." has joined it).
+
+    A fact that announces a change is not shown what measures another property of it
+    (:func:`measures_other`), as any pick of that would be set apart (:func:`apart`) and the
+    fact made new: its old state never replaced, while the 1.5B model picked the one it could
+    not have ("Since November 2025 we buy the sow and weaner ration from Corran Feeds" the
+    update of the sow Peggy's farrowing date, the old feed beside it).
 
     Only the offline consolidator goes by sentence: its links are cosine thresholds, which a
     grown observation falls below. A model is shown the candidates in the order of their
@@ -293,6 +301,7 @@ def pick_candidates(
     by_cosine: set[str] = set()
     shared: dict[tuple[str, str], int] = {}
     telling: dict[str, int] = {}
+    nearest: dict[str, str] = {}
     common = common_stems(item.text for item in (*inputs.facts, *inputs.observations))
     common |= scope_stems(inputs.scope)
     # Each text's vectors by ref: its own, then (an observation's, by sentence) its sentences'.
@@ -310,6 +319,7 @@ def pick_candidates(
         if change:
             cosine_floor = min(cosine_floor, options.change_cosine_floor)
         chosen: list[Item] = []
+        best: tuple[float, str] | None = None
         for pool in (inputs.observations, inputs.facts[:index]):
             scored: list[tuple[float, int, Item]] = []
             for position, other in enumerate(pool):
@@ -318,29 +328,28 @@ def pick_candidates(
                     score = max(cosine(fact_vector, v) for v in other_vectors)
                     floor = cosine_floor
                     by_cosine.add(fact.ref)
+                    if score >= floor and (best is None or (score, other.ref) > best):
+                        best = (score, other.ref)
                 else:
                     score = overlap(fact.text, other.text)
                     floor = options.lexical_floor
+                if change and measures_other(fact.text, other.text):
+                    continue  # a pick of it would be set apart (:func:`apart`): not shown
                 if score >= floor:
                     scored.append((score, position, other))
             scored.sort(key=lambda entry: (-entry[0], entry[1]))
             for score, _, other in scored[: options.candidates]:
                 nearness[fact.ref, other.ref] = score
                 chosen.append(other)
-        if (
-            fact.ref not in by_cosine
-            and change
-            and all(measures_other(fact.text, other.text) for other in chosen)
-        ):
+        if fact.ref not in by_cosine and change and not chosen:
             # Without vectors a new state may share no word with the old ("I started a new job
-            # at Globex" of "I work at Acme"): near nothing, or near only what measures another
-            # property of it (which :func:`apart` sets aside: "Since April 2026 Ravi Desai does
-            # my books" shares "book" with "I'm booked on the congress, 26 to 29 March" and no
-            # word with "My accountant is Gillian Marsh"), it is shown every observation of the
-            # pass that could be its old state, the nearer first as any candidates: "As of March
-            # 2026 the late evening moves to Tuesdays" shares "late" with the late surgery, too
-            # little of its long text to be near. (With vectors, nothing above the cosine floor
-            # is nothing near.)
+            # at Globex" of "I work at Acme"): near nothing but what measures another property
+            # of it ("Since April 2026 Ravi Desai does my books" shares "book" with "I'm booked
+            # on the congress, 26 to 29 March" and no word with "My accountant is Gillian
+            # Marsh"), it is shown every observation of the pass that could be its old state,
+            # the nearer first as any candidates: "As of March 2026 the late evening moves to
+            # Tuesdays" shares "late" with the late surgery, too little of its long text to be
+            # near. (With vectors, nothing above the cosine floor is nothing near.)
             near = {
                 o.ref: overlap(fact.text, o.text)
                 for o in inputs.observations
@@ -352,11 +361,13 @@ def pick_candidates(
             nearness.update(((fact.ref, ref), score) for ref, score in near.items())
         if not chosen:
             continue
+        if best is not None:
+            nearest[fact.ref] = best[1]
         telling[fact.ref] = len(own_telling_words(fact.text, common))
         for other in chosen:
             shared[fact.ref, other.ref] = len(telling_words(fact.text, other.text, common))
         questions.append(Question(fact.shown(), tuple(c.shown() for c in chosen)))
-    return Candidates(tuple(questions), nearness, frozenset(by_cosine), shared, telling)
+    return Candidates(tuple(questions), nearness, frozenset(by_cosine), shared, telling, nearest)
 
 
 def sure_decisions(found: Candidates, options: NarrowOptions) -> dict[str, Decision]:
@@ -672,17 +683,16 @@ def stronger(found: Candidates, ref: str, decision: Decision) -> Decision | None
     the second-nearest Go backend, too). Without embeddings there is no nearest, so such a pick is
     always new; a paraphrase that shares no word but is the nearest is asked. A fact that announces
     a change, pointed at a candidate it names nothing of (no telling word shared; its nearest or
-    not) while exactly one other candidate names something of it and measures nothing else of the
-    subject (:func:`measures_other`: not the sow Peggy's farrowing date for "Since November 2025 we
-    buy the sow and weaner ration"), gets the same kind of decision on that one, as an announced
-    change stands on one word ("I'm settled in Berlin now, living in Kreuzberg" as an update of "My
-    sister Anna lives in Vienna", with the residence's "... I moved from Paris to Berlin" beside it;
-    "As of March 2026 the late evening moves to Tuesdays" as an update of the drugs wholesaler, its
-    nearest by MiniLM, with the late surgery beside it): a word named is a surer sign than the
-    cosine of texts that share none. Else a change called the ``same`` as a candidate it has no link
-    to is ``new`` without asking too: a change restates nothing it names nothing of ("I started a
-    new job at Globex" as the same as "I go running every Sunday morning", shown every observation
-    of the pass as it is near none)."""
+    not) while exactly one other candidate names something of it (none of a change's measures
+    another property of it: :func:`pick_candidates`), gets the same kind of decision on that one, as
+    an announced change stands on one word ("I'm settled in Berlin now, living in Kreuzberg" as an
+    update of "My sister Anna lives in Vienna", with the residence's "... I moved from Paris to
+    Berlin" beside it; "As of March 2026 the late evening moves to Tuesdays" as an update of the
+    drugs wholesaler, its nearest by MiniLM, with the late surgery beside it): a word named is a
+    surer sign than the cosine of texts that share none. Else a change called the ``same`` as a
+    candidate it has no link to is ``new`` without asking too: a change restates nothing it names
+    nothing of ("I started a new job at Globex" as the same as "I go running every Sunday morning",
+    shown every observation of the pass as it is near none)."""
     assert decision.target is not None
     question = found.question(ref)
     others = _others_sharing(found, question, decision.target, STRONG_LINK)
@@ -694,11 +704,7 @@ def stronger(found: Candidates, ref: str, decision: Decision) -> Decision | None
         return Decision(NEW) if unseen else None
     linked = _change_links(found, question, decision.target)
     if shared == 0:  # no link, or only the cosine's
-        named = [
-            other
-            for other in _others_sharing(found, question, decision.target, 1)
-            if not measures_other(question.fact.text, candidate_text(question, other) or "")
-        ]
+        named = _others_sharing(found, question, decision.target, 1)
         if len(named) == 1:
             return Decision(decision.kind, named[0])
     if linked and (decision.kind == UPDATE or decision.target == _nearest(found, question)):
@@ -724,12 +730,9 @@ def _change_links(found: Candidates, question: Question, target: str) -> bool:
 
 
 def _nearest(found: Candidates, question: Question) -> str | None:
-    """The fact's nearest candidate by cosine; None without embeddings."""
-    ref = question.fact.ref
-    if ref not in found.by_cosine:
-        return None
-    scored = [(found.nearness.get((ref, c.ref), 0.0), c.ref) for c in question.candidates]
-    return max(scored)[1] if scored else None
+    """The fact's nearest text by cosine (:attr:`Candidates.nearest`), which may be no candidate
+    shown it; None without embeddings."""
+    return found.nearest.get(question.fact.ref)
 
 
 def local_decisions(found: Candidates, options: NarrowOptions) -> dict[str, Decision]:

@@ -647,18 +647,28 @@ def test_a_state_given_from_when_it_holds_is_no_new_day_of_a_dated_thing() -> No
     assert not narrow.measures_other(
         "Since May 2025 we buy pig nuts from Corran.", "We buy pig nuts."
     )
-    # Pointed at the old feed, nearest by neither words nor cosine, the change is not moved onto
-    # the sow it names something of: the sow is another property; the pick is asked about.
+    # The sow, nearest by cosine and a word shared, is not shown: any pick of it would be set
+    # apart and the fact made new (the 1.5B model picked it, the old feed beside it). Nothing
+    # shown is the change's nearest, so no pick stands on nearness: not the ewes' vaccine, which
+    # MiniLM puts a hair nearer than the old feed, nor the old feed; each is asked about.
     old_feed = "We get our pig nuts from Darwell Mills."
-    given = inputs([ration], [peggy, old_feed])
-    vectors = {ration: [1.0, 0.0], peggy: _at(0.40), old_feed: _at(0.30)}
+    vaccine = "Heptavac for the ewes goes in a month ahead of lambing."
+    given = inputs([ration], [peggy, old_feed, vaccine])
+    vectors = {ration: [1.0, 0.0], peggy: _at(0.40), old_feed: _at(0.30), vaccine: _at(0.31)}
     found = narrow.pick_candidates(given, vectors, OPTIONS)
-    assert [c.ref for c in found.question("f1").candidates] == ["o1", "o2"]
-    assert found.shared["f1", "o1"] == 1 and found.shared["f1", "o2"] == 0
+    assert [c.text for c in found.question("f1").candidates] == [vaccine, old_feed]
     assert narrow.stronger(found, "f1", Decision("update", "o2")) is None
-    # Pointed at the sow, the update stands (its nearest, a word shared), then is set apart.
+    assert narrow.stronger(found, "f1", Decision("update", "o3")) is None
+    assert narrow.apart(found, {"f1": Decision("update", "o2")}) == []
+    # The offline consolidator, which links a change to its nearest, leaves it apart.
+    assert narrow.local_decisions(found, OPTIONS) == {"f1": Decision("new")}
+    # A fact that announces no change is still shown the sow, and a pick of it set apart.
+    weight = "Peggy weighs about 200 kg."
+    found = narrow.pick_candidates(
+        inputs([weight], [peggy]), None, narrow.NarrowOptions(lexical_floor=0.0)
+    )
     said = {"f1": Decision("update", "o1")}
-    assert narrow.stronger(found, "f1", said["f1"]) == said["f1"]
+    assert [c.ref for c in found.question("f1").candidates] == ["o1"]
     assert narrow.apart(found, said) == ["f1"]
 
 
@@ -682,17 +692,19 @@ def test_a_change_nearest_to_what_it_names_nothing_of_moves_to_the_one_it_names(
     assert narrow.stronger(found, "f1", Decision("update", "o1")) == Decision("update", "o2")
     # A pick that names something of the fact stands, nearest or not.
     assert narrow.stronger(found, "f1", Decision("update", "o2")) == Decision("update", "o2")
-    # The one it names something of measures another property (a dated thing): the nearest
-    # stands ("Since April 2026 Ravi Desai does my books" of the old accountant, with the
-    # congress booked for 26 to 29 March beside it).
+    # What it names something of measures another property (a dated thing): not shown, so the
+    # nearest stands ("Since April 2026 Ravi Desai does my books" of the old accountant; the
+    # congress booked for 26 to 29 March, which the 1.5B model called the same, is not shown).
     books = "Since April 2026 Ravi Desai does my books and tax return."
     accountant = "My accountant is Gillian Marsh at Marsh & Co."
     congress = "I'm booked on the BSAVA congress in Manchester, 26 to 29 March 2026."
-    given = inputs([books], [accountant, congress])
-    vectors = {books: [1.0, 0.0], accountant: _at(0.37), congress: _at(0.33)}
+    swim = "I swim at the leisure centre on Saturday mornings."
+    given = inputs([books], [accountant, congress, swim])
+    vectors = {books: [1.0, 0.0], accountant: _at(0.37), congress: _at(0.33), swim: _at(0.32)}
     found = narrow.pick_candidates(given, vectors, narrow.NarrowOptions(cosine_floor=0.0))
-    assert found.shared["f1", "o2"] == 1
+    assert [c.text for c in found.question("f1").candidates] == [accountant, swim]
     assert narrow.stronger(found, "f1", Decision("update", "o1")) == Decision("update", "o1")
+    assert narrow.stronger(found, "f1", Decision("same", "o1")) == Decision("same", "o1")
 
 
 @pytest.mark.parametrize(
