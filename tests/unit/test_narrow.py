@@ -710,9 +710,9 @@ def test_a_change_nearest_to_what_it_names_nothing_of_moves_to_the_one_it_names(
 @pytest.mark.parametrize(
     ("fact", "cos", "linked"),
     [
-        # Two telling words ("peanut", "allergy") are enough from the pair cosine.
-        ("Because of my peanut allergy I carry an EpiPen.", 0.66, True),
-        ("Because of my peanut allergy I carry an EpiPen.", 0.60, False),
+        # Two telling words ("peanut", "allergy") are enough from the pair cosine (MiniLM: 0.57).
+        ("Because of my peanut allergy I carry an EpiPen.", 0.57, True),
+        ("Because of my peanut allergy I carry an EpiPen.", 0.52, False),
         # One telling word ("Paris") only when the fact announces a change.
         ("My flat in Paris is close to the canal.", 0.66, False),
         ("I moved from Paris to Berlin.", 0.45, True),
@@ -744,10 +744,12 @@ def test_without_a_model_words_and_a_change_announced_link_below_the_cosine_alon
 
 def test_without_a_model_words_alone_do_not_link_when_there_are_vectors() -> None:
     # "The billing service" is most of both texts, so the v1 offline policy's word overlap
-    # calls them one subject; with vectors (0.58 apart) they stay two.
+    # calls them one subject; with vectors below the pair cosine they stay two. (MiniLM puts
+    # them 0.58 apart, above it: in ops-team's `billing` scope "billing" tells nothing, so they
+    # share one telling word there; in a scope named otherwise they would be joined.)
     fact, old = "Lena owns the billing service.", "The billing service is written in Kotlin."
     given = inputs([fact], [old])
-    found = narrow.pick_candidates(given, {fact: [1.0, 0.0], old: _at(0.58)}, OPTIONS)
+    found = narrow.pick_candidates(given, {fact: [1.0, 0.0], old: _at(0.5)}, OPTIONS)
     assert narrow.local_decisions(found, OPTIONS) == {"f1": Decision("new")}
     lexical = narrow.pick_candidates(given, None, OPTIONS)
     assert narrow.local_decisions(lexical, OPTIONS) == {"f1": Decision("update", "o1")}
