@@ -293,10 +293,11 @@ def pick_candidates(
     "I have a cat named Miso.", 0.63 once "Miso, my cat, is a grey tabby." has joined it).
 
     A fact that announces a change is not shown what measures another property of it
-    (:func:`measures_other`), as any pick of that would be set apart (:func:`apart`) and the
-    fact made new: its old state never replaced, while the 1.5B model picked the one it could
-    not have ("Since November 2025 we buy the sow and weaner ration from Corran Feeds" the
-    update of the sow Peggy's farrowing date, the old feed beside it).
+    (:func:`measures_other`): a pick of that is set apart (:func:`apart`) and the fact made new,
+    its old state left standing beside the pick. The 1.5B model took "Since November 2025 we buy
+    the sow and weaner ration from Corran Feeds" for an update of the sow Peggy's farrowing date,
+    with the old feed among its candidates. Its nearest by cosine (:attr:`Candidates.nearest`)
+    is still taken over every text, shown or not.
 
     Only the offline consolidator goes by sentence: its links are cosine thresholds, which a
     grown observation falls below. A model is shown the candidates in the order of their
