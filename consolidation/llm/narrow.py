@@ -327,6 +327,8 @@ def pick_candidates(
             cosine_floor = min(cosine_floor, options.change_cosine_floor)
         chosen: list[Item] = []
         best: tuple[float, str] | None = None
+        # A change's nearness to each observation it may be shown, floor or not: its fallback.
+        eligible: dict[str, float] = {}
         for pool in (inputs.observations, inputs.facts[:index]):
             scored: list[tuple[float, int, Item]] = []
             for position, other in enumerate(pool):
@@ -342,6 +344,8 @@ def pick_candidates(
                     floor = options.lexical_floor
                 if change and measures_other(fact.text, other.text):
                     continue  # a pick of it would be set apart (:func:`apart`): not shown
+                if change and pool is inputs.observations:
+                    eligible[other.ref] = score
                 if score >= floor:
                     scored.append((score, position, other))
             scored.sort(key=lambda entry: (-entry[0], entry[1]))
@@ -357,15 +361,12 @@ def pick_candidates(
             # the nearer first as any candidates: "As of March 2026 the late evening moves to
             # Tuesdays" shares "late" with the late surgery, too little of its long text to be
             # near. (With vectors, nothing above the cosine floor is nothing near.)
-            near = {
-                o.ref: overlap(fact.text, o.text)
-                for o in inputs.observations
-                if not measures_other(fact.text, o.text)
-            }
+            # Its nearness is each observation's word overlap, computed above.
             chosen = sorted(
-                (o for o in inputs.observations if o.ref in near), key=lambda o: -near[o.ref]
+                (o for o in inputs.observations if o.ref in eligible),
+                key=lambda o: -eligible[o.ref],
             )
-            nearness.update(((fact.ref, ref), score) for ref, score in near.items())
+            nearness.update(((fact.ref, ref), score) for ref, score in eligible.items())
         if not chosen:
             continue
         if best is not None:
