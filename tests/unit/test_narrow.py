@@ -677,6 +677,13 @@ def _at(cos: float) -> list[float]:
     return [cos, (1 - cos * cos) ** 0.5]
 
 
+def _near(fact: str, cosines: dict[str, float]) -> narrow.Candidates:
+    """The candidates of ``fact`` among observations at the given cosines of it, no floor."""
+    vectors = {fact: [1.0, 0.0], **{text: _at(cos) for text, cos in cosines.items()}}
+    given = inputs([fact], list(cosines))
+    return narrow.pick_candidates(given, vectors, narrow.NarrowOptions(cosine_floor=0.0))
+
+
 def test_a_change_nearest_to_what_it_names_nothing_of_moves_to_the_one_it_names() -> None:
     # MiniLM puts the drugs wholesaler nearest to the late evening's move; the fact names
     # something ("late") of the late surgery alone, which measures nothing else of it.
@@ -684,9 +691,7 @@ def test_a_change_nearest_to_what_it_names_nothing_of_moves_to_the_one_it_names(
     wholesaler = "We order our drugs from Harbour Vet Supplies; next-day delivery by 3pm."
     surgery = "Late surgery is on Wednesdays; we stay open until 7pm."
     alarm = "The fire alarm is tested every Monday at 8:30."
-    given = inputs([fact], [wholesaler, surgery, alarm])
-    vectors = {fact: [1.0, 0.0], wholesaler: _at(0.45), surgery: _at(0.42), alarm: _at(0.41)}
-    found = narrow.pick_candidates(given, vectors, narrow.NarrowOptions(cosine_floor=0.0))
+    found = _near(fact, {wholesaler: 0.45, surgery: 0.42, alarm: 0.41})
     assert [c.text for c in found.question("f1").candidates][:2] == [wholesaler, surgery]
     assert found.shared["f1", "o1"] == 0 and found.shared["f1", "o2"] == 1
     assert narrow.stronger(found, "f1", Decision("update", "o1")) == Decision("update", "o2")
@@ -699,9 +704,7 @@ def test_a_change_nearest_to_what_it_names_nothing_of_moves_to_the_one_it_names(
     accountant = "My accountant is Gillian Marsh at Marsh & Co."
     congress = "I'm booked on the BSAVA congress in Manchester, 26 to 29 March 2026."
     swim = "I swim at the leisure centre on Saturday mornings."
-    given = inputs([books], [accountant, congress, swim])
-    vectors = {books: [1.0, 0.0], accountant: _at(0.37), congress: _at(0.33), swim: _at(0.32)}
-    found = narrow.pick_candidates(given, vectors, narrow.NarrowOptions(cosine_floor=0.0))
+    found = _near(books, {accountant: 0.37, congress: 0.33, swim: 0.32})
     assert [c.text for c in found.question("f1").candidates] == [accountant, swim]
     assert narrow.stronger(found, "f1", Decision("update", "o1")) == Decision("update", "o1")
     assert narrow.stronger(found, "f1", Decision("same", "o1")) == Decision("same", "o1")
