@@ -152,6 +152,13 @@ def add_lane_options(
         "--server-arg", action="append", default=[], metavar="ARG", help=wording.server_arg
     )
     p.add_argument(
+        "--fresh-context",
+        action="store_true",
+        help="evaluate every prompt from an empty context, so that each answer depends on its "
+        "request alone and a run repeats to the digit (the server otherwise reuses the previous "
+        "prompt's shared prefix, and answers on the edge flip with it); slower",
+    )
+    p.add_argument(
         "--venv",
         type=Path,
         default=Path(os.environ.get("BENCH_REALMODEL_VENV") or DEFAULT_HOME / "venv"),
@@ -289,6 +296,7 @@ def start_server(
         chat_format=chat_format,
         extra_args=args.server_arg,
         log_path=logs / f"realmodel-{stamp}-server.log",
+        fresh_context=args.fresh_context,
     )
     log(f"starting llama_cpp.server {version} with {model_path.name} on {process.url}")
     stack.enter_context(process)
@@ -298,6 +306,7 @@ def start_server(
         "version": version,
         "url": process.url,
         "command": shlex.join(process.command),
+        "fresh_context": process.fresh_context,
         "log": str(process.log_path),
         "load_s": round(process.load_s or 0.0, 1),
         "warm_up_s": round(process.warm_up_s or 0.0, 1),

@@ -304,9 +304,27 @@ def free_port() -> int:
         return port
 
 
+# ``python -m llama_cpp.server`` with every prompt evaluated from an empty context. The server
+# keeps the previous prompt's KV cache and evaluates only what follows the longest prefix a new
+# prompt shares with it; the prefix's values, computed in another batch, differ in the last bits,
+# and a greedy answer on the edge flips with them: the same request gets another answer after
+# another request. Resetting first makes each answer depend on its request alone.
+FRESH_CONTEXT_LAUNCHER = """\
+import runpy
+import llama_cpp
+generate = llama_cpp.Llama.generate
+def fresh_generate(self, tokens, *args, **kwargs):
+    self.reset()
+    return generate(self, tokens, *args, **kwargs)
+llama_cpp.Llama.generate = fresh_generate
+runpy.run_module("llama_cpp.server", run_name="__main__", alter_sys=True)
+"""
+
+
 class LlamaServer:
     """``python -m llama_cpp.server`` on a free loopback port, ready once ``/v1/models``
-    answers; stopped (SIGINT, then SIGKILL) on exit."""
+    answers; stopped (SIGINT, then SIGKILL) on exit. With ``fresh_context``, every prompt is
+    evaluated from an empty context (:data:`FRESH_CONTEXT_LAUNCHER`)."""
 
     def __init__(
         self,
@@ -320,15 +338,16 @@ class LlamaServer:
         extra_args: Sequence[str],
         log_path: Path,
         ready_timeout_s: float = 600.0,
+        fresh_context: bool = False,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.log_path = log_path
         self.ready_timeout_s = ready_timeout_s
+        self.fresh_context = fresh_context
         self.command = [
             str(python),
-            "-m",
-            "llama_cpp.server",
+            *(("-c", FRESH_CONTEXT_LAUNCHER) if fresh_context else ("-m", "llama_cpp.server")),
             "--model",
             str(model),
             "--model_alias",
