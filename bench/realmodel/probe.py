@@ -5,8 +5,8 @@ llama-cpp-python's server keeps the previous prompt's evaluation and reuses its 
 prefix, so the same request is computed in other pieces after another request; at temperature
 0 a borderline answer can turn. A quality run in which a change moves one such question (say,
 to the first call of a bank) can then differ from main without the change deciding anything
-differently (docs/quality.md). Needs the lane's server venv and model (``python -m bench
-realmodel`` installs both).
+differently (docs/quality.md); with ``--fresh-context`` every answer is its request's alone.
+Needs the lane's server venv and model (``python -m bench realmodel`` installs both).
 """
 
 from __future__ import annotations
@@ -67,9 +67,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.realmodel.probe", description=__doc__)
     parser.add_argument("--model", default="qwen2.5-coder-1.5b", choices=sorted(MODELS))
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_HOME)
+    parser.add_argument(
+        "--fresh-context",
+        action="store_true",
+        help="serve with every prompt evaluated from an empty context (the lane's option)",
+    )
     args = parser.parse_args(argv)
     try:
-        server = installed_server(args.cache_dir, args.model, "probe-server.log")
+        server = installed_server(
+            args.cache_dir, args.model, "probe-server.log", fresh_context=args.fresh_context
+        )
     except FileNotFoundError as exc:
         parser.error(str(exc))
     with server:

@@ -464,10 +464,12 @@ class LlamaServer:
         return dict(sorted(counts.items()))
 
 
-def installed_server(cache: Path, name: str, log_name: str) -> LlamaServer:
+def installed_server(
+    cache: Path, name: str, log_name: str, *, fresh_context: bool = False
+) -> LlamaServer:
     """The lane's model ``name`` served from ``cache`` as a probe of it runs it (2 threads, the
-    GGUF's own chat template). Raises FileNotFoundError, saying how to install them, when the
-    venv or the model is missing."""
+    GGUF's own chat template; ``fresh_context`` as :class:`LlamaServer` takes it). Raises
+    FileNotFoundError, saying how to install them, when the venv or the model is missing."""
     spec = MODELS[name]
     model = cache / "models" / spec.filename
     python = cache / "venv" / "bin" / "python"
@@ -484,6 +486,7 @@ def installed_server(cache: Path, name: str, log_name: str) -> LlamaServer:
         chat_format=None,
         extra_args=(),
         log_path=cache / log_name,
+        fresh_context=fresh_context,
     )
 
 
