@@ -155,8 +155,8 @@ def add_lane_options(
         "--fresh-context",
         action="store_true",
         help="evaluate every prompt from an empty context, so that each answer depends on its "
-        "request alone and a run repeats to the digit (the server otherwise reuses the previous "
-        "prompt's shared prefix, and answers on the edge flip with it); slower",
+        "request alone (the server otherwise reuses the previous prompt's shared prefix, and "
+        "answers on the edge flip with it); slower",
     )
     p.add_argument(
         "--venv",
