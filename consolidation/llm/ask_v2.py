@@ -24,6 +24,7 @@ from consolidation.llm.client import LLMAnswer
 from consolidation.llm.prompts import Chat, PassPlan, PassRequest
 from consolidation.llm.prompts_v2 import (
     NEW,
+    UPDATE,
     Decision,
     Question,
     Shown,
@@ -66,7 +67,12 @@ async def answer_pass(
         _log_decisions(found, decisions, local=True)
     else:
         decisions = await _decisions(complete, inputs, found, options)
-    groups = narrow.assemble(inputs, decisions)
+    stale = narrow.made_stale(found, decisions)
+    if complete is not None and stale:
+        stale = await _confirmed_stale(complete, inputs, found, stale)
+    if stale:
+        _log_stale(found, decisions, stale)
+    groups = narrow.assemble(inputs, decisions, stale)
     wanted = [(i, g) for i, g in enumerate(groups) if g.updating]
     if complete is None:
         texts_of = [narrow.join(g.base, [f.shown() for f in g.updating]) for _, g in wanted]
@@ -208,6 +214,44 @@ def _explained(
         if said is None
         else f"{said.kind} {narrow.candidate_text(question, said.target) or ''}".strip(),
     }
+
+
+async def _confirmed_stale(
+    complete: Complete,
+    inputs: narrow.PassInputs,
+    found: narrow.Candidates,
+    stale: Mapping[str, Sequence[str]],
+) -> dict[str, list[str]]:
+    """The observations of ``stale`` the yes/no question says each fact is about."""
+    asked = [(ref, target) for ref, targets in stale.items() for target in targets]
+    said = await asyncio.gather(
+        *(_confirm(complete, inputs, found, ref, Decision(UPDATE, target)) for ref, target in asked)
+    )
+    confirmed: dict[str, list[str]] = {}
+    for (ref, target), yes in zip(asked, said, strict=True):
+        if yes:
+            confirmed.setdefault(ref, []).append(target)
+    return confirmed
+
+
+def _log_stale(
+    found: narrow.Candidates,
+    decisions: Mapping[str, Decision],
+    stale: Mapping[str, Sequence[str]],
+) -> None:
+    """The ``v2_stale`` debug log: each change, what it updates and what it ends beside."""
+    if log.is_enabled_for(logging.DEBUG):
+        entries = []
+        for ref, targets in stale.items():
+            question = found.question(ref)
+            entries.append(
+                {
+                    "fact": question.fact.text,
+                    "updates": narrow.candidate_text(question, decisions[ref].target),
+                    "ends": [narrow.candidate_text(question, target) for target in targets],
+                }
+            )
+        log.debug("v2_stale", changes=entries)
 
 
 async def _confirm(

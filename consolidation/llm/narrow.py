@@ -791,6 +791,46 @@ def local_decisions(found: Candidates, options: NarrowOptions) -> dict[str, Deci
     return decisions
 
 
+def made_stale(found: Candidates, decisions: Mapping[str, Decision]) -> dict[str, list[str]]:
+    """The observations each fact's change ends beside the one it updates, by fact ref.
+
+    A fact that states the value it replaces (:func:`changes`: "I moved from Paris to Berlin
+    last week") and updates an observation that states that value ends every other observation
+    among its candidates that states it too and none of the new value ("My flat in Paris is
+    close to the Canal Saint-Martin", kept apart from "I live in Paris, in the 11th
+    arrondissement" by an earlier pass): left standing, it would say only the old state. Such
+    an observation is folded into the updated one (:func:`assemble`). One that a fact of the
+    pass restates or updates itself is left to that fact; with a model, each is confirmed by
+    the yes/no question first, as "I moved from Paris to Berlin" ends nothing of "My sister
+    Anna lives in Paris"."""
+    targeted = {d.target for d in decisions.values() if d.kind != NEW and d.target is not None}
+    stale: dict[str, list[str]] = {}
+    claimed: set[str] = set()
+    for question in found.questions:
+        decision = decisions.get(question.fact.ref)
+        if decision is None or decision.kind == NEW or decision.target is None:
+            continue
+        values = [
+            (frozenset(map(_stem, old)), frozenset(map(_stem, new)))
+            for old, new in changes(question.fact.text)
+        ]
+        updated = _stems(candidate_text(question, decision.target) or "")
+        for candidate in question.candidates:
+            if (
+                not candidate.ref.startswith("o")
+                or candidate.ref in targeted
+                or candidate.ref in claimed
+            ):
+                continue
+            own = _stems(candidate.text)
+            if any(
+                old and old <= own and old <= updated and own.isdisjoint(new) for old, new in values
+            ):
+                stale.setdefault(question.fact.ref, []).append(candidate.ref)
+                claimed.add(candidate.ref)
+    return stale
+
+
 def checked_decisions(found: Candidates, decisions: Mapping[str, Decision]) -> dict[str, Decision]:
     """``decisions`` as the engine applies them: a ``same`` whose candidate does not already
     say all the fact says is an ``update``, so that a change the model took for a restatement
@@ -817,19 +857,36 @@ class Group:
     first: Item | None = None  # the fact a created observation starts from
     cited: list[Item] = field(default_factory=list)
     updating: list[Item] = field(default_factory=list)
+    # Observations a change of ``updating`` ends (:func:`made_stale`), folded into this one.
+    absorbed: list[Item] = field(default_factory=list)
+
+    @property
+    def observations(self) -> list[Item]:
+        """The existing observations the group writes: its own, then those it absorbs."""
+        own = [self.observation] if self.observation is not None else []
+        return [*own, *self.absorbed]
 
     @property
     def base(self) -> Shown:
-        """The text the group starts from, as a rewrite is shown it."""
+        """The text the group starts from, as a rewrite is shown it: with the texts it absorbs
+        as sentences of its own."""
         origin = self.observation if self.observation is not None else self.first
         assert origin is not None
-        return origin.shown()
+        if not self.absorbed:
+            return origin.shown()
+        text = " ".join(_sentence(item.text) for item in (origin, *self.absorbed))
+        return Shown(origin.ref, text, origin.at)
 
 
-def assemble(inputs: PassInputs, decisions: Mapping[str, Decision]) -> list[Group]:
+def assemble(
+    inputs: PassInputs,
+    decisions: Mapping[str, Decision],
+    stale: Mapping[str, Sequence[str]] | None = None,
+) -> list[Group]:
     """The observations the decisions make, in the order they are first touched; a fact without
     a decision is new. A fact that is ``same``/``update`` of an earlier fact joins whatever
-    observation that fact went to."""
+    observation that fact went to. The observations a fact's change ends (``stale``, by fact
+    ref: :func:`made_stale`) are absorbed by the group the fact joins."""
     groups: list[Group] = []
     of_observation: dict[str, Group] = {}
     of_fact: dict[str, Group] = {}
@@ -849,6 +906,7 @@ def assemble(inputs: PassInputs, decisions: Mapping[str, Decision]) -> list[Grou
         group.cited.append(fact)
         if decision.kind == UPDATE:
             group.updating.append(fact)
+        group.absorbed.extend(inputs.item(ref) for ref in (stale or {}).get(fact.ref, ()))
         of_fact[fact.ref] = group
     return groups
 
@@ -857,31 +915,29 @@ def to_plan(inputs: PassInputs, groups: Sequence[Group], texts: Mapping[int, str
     """The pass plan of ``groups``, each with its new text if ``texts`` has one (by position)
     else its base text. Observations that end with the same text are one: a merge (into the
     first existing one), or a create folded into the existing one — also into a recalled
-    observation no fact touched."""
+    observation no fact touched. A group that absorbs observations merges them into its own."""
     by_text: dict[str, list[tuple[Group, str]]] = {}
     for position, group in enumerate(groups):
         text = texts.get(position, group.base.text)
         by_text.setdefault(_normalized(text), []).append((group, text))
-    touched = {g.observation.ref for g in groups if g.observation is not None}
+    touched = {o.ref for g in groups for o in g.observations}
     for observation in inputs.observations:
         same = by_text.get(_normalized(observation.text))
-        if observation.ref not in touched and same and all(g.observation is None for g, _ in same):
+        if observation.ref not in touched and same and all(not g.observations for g, _ in same):
             same.insert(0, (Group(observation=observation), observation.text))
             touched.add(observation.ref)
     creates: list[CreateAction] = []
     updates: list[UpdateAction] = []
     merges: list[MergeAction] = []
     for same in by_text.values():
-        existing = [g for g, _ in same if g.observation is not None]
+        ids = tuple(dict.fromkeys(o.id for g, _ in same for o in g.observations))
         text = same[0][1]
         memory_ids = tuple(dict.fromkeys(f.id for g, _ in same for f in g.cited))
-        if not existing:
+        if not ids:
             creates.append(CreateAction(text, memory_ids))
-        elif len(existing) == 1:
-            assert existing[0].observation is not None
-            updates.append(UpdateAction(existing[0].observation.id, text, memory_ids))
+        elif len(ids) == 1:
+            updates.append(UpdateAction(ids[0], text, memory_ids))
         else:
-            ids = tuple(g.observation.id for g in existing if g.observation is not None)
             merges.append(MergeAction(ids, text, memory_ids))
     return PassPlan(tuple(creates), tuple(updates), tuple(merges))
 

@@ -155,7 +155,8 @@ def test_the_offline_consolidator_with_minilm_embeddings_never_joins_two_subject
     """No model at all: the links the offline consolidator makes from vectors and shared words
     never pile different labels into one observation nor join a hard negative, on the banks its
     thresholds were set on — the v1 offline policy's word overlap piled billing's language,
-    queue and owner together — and it collapses every duplicate group there. On the bookshop
+    queue and owner together — and it collapses every duplicate group and captures every state
+    change there, with no observation left stating only an old state. On the bookshop
     bank, written afterwards and unseen, it joins the book club and the crime reading group
     ("meets ... Thursday ... at 7pm", 0.68 apart) and keeps half its rewordings apart
     (docs/quality.md); on the smallholding bank, written unseen too, it joins the farm shop's egg
@@ -176,6 +177,10 @@ def test_the_offline_consolidator_with_minilm_embeddings_never_joins_two_subject
         # ... and it collapses every duplicate group into one observation: the rewordings that
         # share two telling words sit at 0.57 and up (the peanut allergy, the on-call tool).
         assert judgement["duplicate_labels_collapsed"] == judgement["duplicate_labels"], name
+        # Every change reaches its state's observation and leaves none stating only the old
+        # one: "I moved from Paris to Berlin" ends the Paris flat kept apart from the home.
+        assert judgement["state_changes_captured"] == judgement["state_changes"], name
+        assert judgement["stale_observations"] == 0, name
 
 
 def test_the_v2_oracle_with_minilm_embeddings_scores_100_percent_but_for_known_misses(

@@ -1111,3 +1111,97 @@ def test_a_yes_to_the_one_candidate_is_a_same_only_when_it_already_says_all() ->
         given = inputs([fact], ["Leo plays football at the FC Nord club."])
         found = narrow.pick_candidates(given, None, narrow.NarrowOptions(lexical_floor=0.0))
         assert narrow.confirmed_pick(found, "f1") == Decision(kind, "o1")
+
+
+HOME = "I live in Paris, in the 11th arrondissement."
+FLAT = "My flat in Paris is close to the Canal Saint-Martin."
+MOVED_AWAY = "I moved from Paris to Berlin last week."
+
+
+def test_a_change_ends_the_observations_beside_its_own_that_state_its_old_value() -> None:
+    sister = "My sister Anna lives in Vienna."
+    found = _near(MOVED_AWAY, {HOME: 0.51, FLAT: 0.49, sister: 0.43})
+    found = dataclasses.replace(
+        found,
+        questions=tuple(
+            dataclasses.replace(q, candidates=(*q.candidates, Shown("o3", sister)))
+            for q in found.questions
+        ),
+    )
+    # Updating either Paris observation ends the other; Vienna states nothing of Paris.
+    assert narrow.made_stale(found, {"f1": Decision("update", "o1")}) == {"f1": ["o2"]}
+    assert narrow.made_stale(found, {"f1": Decision("same", "o2")}) == {"f1": ["o1"]}
+    assert narrow.made_stale(found, {"f1": Decision("new")}) == {}
+    # A change that does not say what it replaces ends nothing beside what it updates.
+    settled = "I'm settled in Berlin now, living in Kreuzberg; no more Paris."
+    found = _near(settled, {HOME: 0.5, FLAT: 0.45})
+    assert narrow.made_stale(found, {"f1": Decision("update", "o1")}) == {}
+
+
+def test_an_observation_stating_the_new_value_or_one_another_fact_takes_is_not_ended() -> None:
+    in_berlin = "My flat in Paris is sublet while I look for one in Berlin."
+    found = _near(MOVED_AWAY, {HOME: 0.51, in_berlin: 0.45})
+    assert narrow.made_stale(found, {"f1": Decision("update", "o1")}) == {}
+    # The old value must be what the updated observation states: one word of the target is
+    # not its old value ("Paris" of a flat when the update is of the sister's Vienna).
+    found = _near(MOVED_AWAY, {"My sister Anna lives in Vienna.": 0.5, FLAT: 0.45})
+    assert narrow.made_stale(found, {"f1": Decision("update", "o1")}) == {}
+    # Another fact of the pass restates the flat: that fact's decision takes it.
+    given = inputs([MOVED_AWAY, FLAT], [HOME, FLAT])
+    found = narrow.pick_candidates(given, None, OPTIONS)
+    decisions = {"f1": Decision("update", "o1"), "f2": Decision("same", "o2")}
+    assert narrow.made_stale(found, decisions) == {}
+
+
+def test_an_ended_observation_is_merged_into_the_one_the_change_updates() -> None:
+    given = inputs([MOVED_AWAY], [HOME, FLAT])
+    groups = narrow.assemble(given, {"f1": Decision("update", "o1")}, {"f1": ["o2"]})
+    (group,) = groups
+    assert group.base.text == f"{HOME} {FLAT}"
+    plan = narrow.to_plan(given, groups, {0: narrow.join(group.base, [given.facts[0].shown()])})
+    (merge,) = plan.merges
+    assert merge.observation_ids == (given.observations[0].id, given.observations[1].id)
+    assert merge.memory_ids == (given.facts[0].id,)
+    assert merge.text == f"{HOME} {FLAT} As of 2026-01-01: {MOVED_AWAY}"
+    assert not plan.creates and not plan.updates
+
+
+@pytest.mark.parametrize("answer", ["yes", "no"])
+async def test_a_model_is_asked_whether_a_change_ends_an_observation_beside_its_own(
+    answer: str,
+) -> None:
+    when = datetime(2026, 1, 1, tzinfo=UTC)
+    request = build_request(
+        "b",
+        ("user",),
+        None,
+        [FactInput(uuid.uuid4(), MOVED_AWAY, ("user",), when)],
+        [ObservationInput(uuid.uuid4(), text, 1, when) for text in (HOME, FLAT)],
+    )
+    ids = [o.id for o in narrow.pass_inputs(request).observations]
+    rewritten = f"{HOME} {FLAT} {MOVED_AWAY}" if answer == "yes" else f"{HOME} {MOVED_AWAY}"
+    with FakeLLMServer(FakeLLMConfig()) as fake:
+        fake.control(
+            script=[
+                {"content": '{"f1": "update:o1"}'},
+                # "Paris" is in every text of the pass, so no telling word: the pick is asked.
+                {"content": '{"same_subject": "yes"}'},
+                {"content": f'{{"same_subject": "{answer}"}}'},
+                {"content": orjson.dumps({"text": rewritten}).decode()},
+            ]
+        )
+        llm = http_llm(fake.url)
+        try:
+            plan = await ask_v2.answer_pass(request, llm.complete, None, OPTIONS)
+        finally:
+            await llm.aclose()
+        assert fake.stats()["requests"] == 4  # decide, two yes/no questions, the rewrite
+    if answer == "yes":
+        (merge,) = plan.merges
+        assert (merge.observation_ids, merge.text) == (tuple(ids), rewritten)
+        assert not plan.updates
+    else:
+        (update,) = plan.updates
+        assert (update.observation_id, update.text) == (ids[0], rewritten)
+        assert not plan.merges
+    assert not plan.creates
