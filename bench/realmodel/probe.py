@@ -49,15 +49,15 @@ BEFORE: tuple[tuple[str, Chat | None], ...] = (
 )
 
 
-async def probe(url: str, alias: str) -> list[tuple[str, str]]:
-    """Each situation of :data:`BEFORE` and the model's answer to :data:`CONFIRM` in it."""
+async def probe(url: str, alias: str, question: Chat = CONFIRM) -> list[tuple[str, str]]:
+    """Each situation of :data:`BEFORE` and the model's answer to ``question`` in it."""
     llm = HTTPConsolidator(base_url=url, model=alias, timeout_s=600)
     answers: list[tuple[str, str]] = []
     try:
         for situation, before in BEFORE:
             if before is not None:
                 await llm.complete(before)
-            answers.append((situation, (await llm.complete(CONFIRM)).content))
+            answers.append((situation, (await llm.complete(question)).content))
     finally:
         await llm.aclose()
     return answers
@@ -72,7 +72,17 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="serve with every prompt evaluated from an empty context (the lane's option)",
     )
+    parser.add_argument(
+        "--pair",
+        nargs=2,
+        metavar=("FACT", "OBSERVATION"),
+        help="ask the yes/no question of this fact and observation instead (scope 'user')",
+    )
     args = parser.parse_args(argv)
+    question = CONFIRM
+    if args.pair:
+        fact, observation = args.pair
+        question = confirm_chat(BANK, SCOPE, None, Shown("f1", fact), Shown("o1", observation))
     try:
         server = installed_server(
             args.cache_dir, args.model, "probe-server.log", fresh_context=args.fresh_context
@@ -80,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as exc:
         parser.error(str(exc))
     with server:
-        for situation, answer in asyncio.run(probe(server.url, args.model)):
+        for situation, answer in asyncio.run(probe(server.url, args.model, question)):
             print(f"{situation:35} {answer}")
     return 0
 

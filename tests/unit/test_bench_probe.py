@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import orjson
 import pytest
 
 from bench.realmodel import probe
+from consolidation.llm.prompts_v2 import Shown, confirm_chat
+from consolidation.testing.fake_llm import FakeLLMConfig, FakeLLMServer
 
 
 def test_the_probe_without_the_lane_says_how_to_get_it(
@@ -16,3 +19,17 @@ def test_the_probe_without_the_lane_says_how_to_get_it(
         probe.main(["--cache-dir", str(tmp_path)])
     assert exit_.value.code == 2
     assert "run `python -m bench realmodel` once first" in capsys.readouterr().err
+
+
+async def test_the_probe_asks_the_pair_it_is_given_after_each_request() -> None:
+    with FakeLLMServer(FakeLLMConfig()) as fake:
+        for fact, observation, answer in (
+            ("I live in Paris.", "I live in Paris.", "yes"),
+            ("I live in Paris.", "My sister Anna plays chess.", "no"),
+        ):
+            question = confirm_chat(
+                probe.BANK, probe.SCOPE, None, Shown("f1", fact), Shown("o1", observation)
+            )
+            answers = await probe.probe(fake.url, "fake", question)
+            assert [situation for situation, _ in answers] == [s for s, _ in probe.BEFORE]
+            assert {orjson.loads(said)["same_subject"] for _, said in answers} == {answer}
