@@ -270,16 +270,42 @@ async def _confirm(
         return False  # no usable yes: the fact stays apart, which loses nothing
 
 
+def _numbered(questions: Sequence[Question]) -> tuple[list[Question], dict[str, str]]:
+    """``questions`` with the observations they show numbered ``o1``, ``o2``, ... in the order
+    shown, and the pass's ref each number stands for. A pass numbers observations in the order
+    it recalled them, which ties (the same score, the same time of writing) leave to the
+    database; numbered by the request, a decide request says the same whatever the recall's
+    order, and so does a model's answer."""
+    numbers: dict[str, str] = {}
+    for question in questions:
+        for candidate in question.candidates:
+            if candidate.ref.startswith("o") and candidate.ref not in numbers:
+                numbers[candidate.ref] = f"o{len(numbers) + 1}"
+    numbered = [
+        Question(
+            q.fact,
+            tuple(dataclasses.replace(c, ref=numbers.get(c.ref, c.ref)) for c in q.candidates),
+        )
+        for q in questions
+    ]
+    return numbered, {number: ref for ref, number in numbers.items()}
+
+
 async def _decide(
     complete: Complete, inputs: narrow.PassInputs, questions: Sequence[Question]
 ) -> dict[str, Decision]:
-    chat = decide_chat(inputs.bank, inputs.scope, inputs.mission, questions)
+    numbered, refs = _numbered(questions)
+    chat = decide_chat(inputs.bank, inputs.scope, inputs.mission, numbered)
     try:
-        return parse_decisions((await complete(chat)).content, questions)
+        said = parse_decisions((await complete(chat)).content, numbered)
     except InvalidLLMOutput as exc:
         # Schema-pinned servers rarely get here; a JSON-mode-only one may.
         repaired = _with_problems(chat, exc.answer or "", exc.problems or [str(exc)])
-        return parse_decisions((await complete(repaired)).content, questions)
+        said = parse_decisions((await complete(repaired)).content, numbered)
+    return {
+        ref: Decision(d.kind, refs.get(d.target, d.target) if d.target else d.target)
+        for ref, d in said.items()
+    }
 
 
 async def _rewrite(

@@ -901,7 +901,8 @@ async def test_a_weak_pick_moved_to_a_candidate_measuring_another_property_is_ne
     assert [c.text for c in found.question("f1").candidates] == observations[::-1]
     assert narrow.stronger(found, "f1", Decision("update", "o1")) == Decision("update", "o2")
     with FakeLLMServer(FakeLLMConfig()) as fake:
-        fake.control(script=[{"content": '{"f1": "update:o1"}'}])
+        # The request numbers what it shows: the bucket, second, is o2 there.
+        fake.control(script=[{"content": '{"f1": "update:o2"}'}])
         llm = http_llm(fake.url)
         try:
             plan = await ask_v2.answer_pass(request, llm.complete, None, OPTIONS)
@@ -1205,3 +1206,34 @@ async def test_a_model_is_asked_whether_a_change_ends_an_observation_beside_its_
         assert (update.observation_id, update.text) == (ids[0], rewritten)
         assert not plan.merges
     assert not plan.creates
+
+
+async def test_a_decide_request_numbers_the_observations_it_shows_in_their_order() -> None:
+    # The pass recalled them in another order (its refs): the request says o1 and o2 whatever
+    # that order was, and the answer is taken back to the pass's refs.
+    question = Question(
+        Shown("f2", "Alice now plays chess at the club."),
+        (
+            Shown("o3", "Alice plays chess."),
+            Shown("f1", "Alice joined the club."),
+            Shown("o1", "Alice likes tea."),
+        ),
+    )
+    numbered, refs = ask_v2._numbered([question])
+    assert [c.ref for c in numbered[0].candidates] == ["o1", "f1", "o2"]
+    assert refs == {"o1": "o3", "o2": "o1"}
+    given = inputs(["Alice joined the club.", question.fact.text], ["Alice likes tea."])
+    for answer, decision in (
+        ("update:o1", Decision("update", "o3")),
+        ("same:o2", Decision("same", "o1")),
+        ("same:f1", Decision("same", "f1")),
+        ("new", Decision("new")),
+    ):
+        with FakeLLMServer(FakeLLMConfig()) as fake:
+            fake.control(script=[{"content": orjson.dumps({"f2": answer}).decode()}])
+            llm = http_llm(fake.url)
+            try:
+                said = await ask_v2._decide(llm.complete, given, [question])
+            finally:
+                await llm.aclose()
+        assert said == {"f2": decision}, answer
