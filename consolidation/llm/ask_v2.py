@@ -273,9 +273,9 @@ async def _confirm(
 def _numbered(questions: Sequence[Question]) -> tuple[list[Question], dict[str, str]]:
     """``questions`` with the observations they show numbered ``o1``, ``o2``, ... in the order
     shown, and the pass's ref each number stands for. A pass numbers observations in the order
-    it recalled them, which ties (the same score, the same time of writing) leave to the
-    database; numbered by the request, a decide request says the same whatever the recall's
-    order, and so does a model's answer."""
+    it recalled them, which is not the same from one run of a bank to the next (ties go by
+    random ids); numbered by the request, a decide request says the same whatever that order,
+    and a small model's pick does not turn with a ref."""
     numbers: dict[str, str] = {}
     for question in questions:
         for candidate in question.candidates:
