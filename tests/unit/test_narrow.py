@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
+from collections.abc import Sequence
 from datetime import UTC, datetime
 
 import httpx
@@ -12,7 +13,13 @@ import pytest
 
 from consolidation.errors import InvalidLLMOutput
 from consolidation.llm import ask_v2, narrow
-from consolidation.llm.prompts import FactInput, ObservationInput, build_request
+from consolidation.llm.prompts import (
+    FactInput,
+    ObservationInput,
+    PassPlan,
+    PassRequest,
+    build_request,
+)
 from consolidation.llm.prompts_v2 import (
     Decision,
     Question,
@@ -880,6 +887,31 @@ def test_a_candidate_measuring_another_property_is_never_sure_nor_linked_without
     assert narrow.local_decisions(found, OPTIONS) == {"f1": Decision("update", "o1")}
 
 
+def _one_fact(fact: str, observations: Sequence[str], scope: str) -> PassRequest:
+    """The pass request of ``fact`` in ``scope``, with ``observations`` recalled, in order."""
+    when = datetime(2026, 1, 1, tzinfo=UTC)
+    return build_request(
+        "b",
+        (scope,),
+        None,
+        [FactInput(uuid.uuid4(), fact, (scope,), when)],
+        [ObservationInput(uuid.uuid4(), text, 1, when) for text in observations],
+    )
+
+
+async def _answered(request: PassRequest, script: list[dict[str, str]]) -> tuple[PassPlan, int]:
+    """The plan of ``request`` with the fake LLM answering ``script``, and how many requests
+    reached it."""
+    with FakeLLMServer(FakeLLMConfig()) as fake:
+        fake.control(script=script)
+        llm = http_llm(fake.url)
+        try:
+            plan = await ask_v2.answer_pass(request, llm.complete, None, OPTIONS)
+        finally:
+            await llm.aclose()
+        return plan, fake.stats()["requests"]
+
+
 async def test_a_weak_pick_moved_to_a_candidate_measuring_another_property_is_new() -> None:
     # The model points at the artifacts bucket (one telling word, "S3"); the one candidate
     # sharing two is the schedule, which measures when, not how long: the fact is new, and
@@ -889,26 +921,13 @@ async def test_a_weak_pick_moved_to_a_candidate_measuring_another_property_is_ne
         "S3 holds the build artifacts.",
         "Database backups run every night at 02:00 UTC.",
     ]
-    when = datetime(2026, 1, 1, tzinfo=UTC)
-    request = build_request(
-        "b",
-        ("ops",),
-        None,
-        [FactInput(uuid.uuid4(), fact, ("ops",), when)],
-        [ObservationInput(uuid.uuid4(), text, 1, when) for text in observations],
-    )
+    request = _one_fact(fact, observations, "ops")
     found = narrow.pick_candidates(narrow.pass_inputs(request), None, OPTIONS)
     assert [c.text for c in found.question("f1").candidates] == observations[::-1]
     assert narrow.stronger(found, "f1", Decision("update", "o1")) == Decision("update", "o2")
-    with FakeLLMServer(FakeLLMConfig()) as fake:
-        # The request numbers what it shows: the bucket, second, is o2 there.
-        fake.control(script=[{"content": '{"f1": "update:o2"}'}])
-        llm = http_llm(fake.url)
-        try:
-            plan = await ask_v2.answer_pass(request, llm.complete, None, OPTIONS)
-        finally:
-            await llm.aclose()
-        assert fake.stats()["requests"] == 1  # the decide call alone
+    # The request numbers what it shows: the bucket, second, is o2 there.
+    plan, requests = await _answered(request, [{"content": '{"f1": "update:o2"}'}])
+    assert requests == 1  # the decide call alone
     assert [c.text for c in plan.creates] == [fact]
     assert plan.updates == () and plan.merges == ()
 
@@ -1036,30 +1055,18 @@ async def test_a_pick_sharing_less_than_half_of_what_the_fact_names_is_asked_onc
     ):
         found = narrow.pick_candidates(inputs([other], [club]), None, OPTIONS)
         assert narrow.thin(found, {"f1": Decision("update", "o1")}) == [], other
-    when = datetime(2026, 1, 1, tzinfo=UTC)
-    request = build_request(
-        "b",
-        ("shop",),
-        None,
-        [FactInput(uuid.uuid4(), fact, ("shop",), when)],
-        [ObservationInput(uuid.uuid4(), club, 1, when)],
-    )
+    request = _one_fact(fact, [club], "shop")
     # Its one candidate: whatever the model picked would be asked about, so the yes/no
     # question is the first call, and a yes is the update.
     for answer, creates in (("no", [fact]), ("yes", [])):
-        with FakeLLMServer(FakeLLMConfig()) as fake:
-            fake.control(
-                script=[
-                    {"content": f'{{"same_subject": "{answer}"}}'},
-                    {"content": f'{{"text": "{club} {fact}"}}'},
-                ]
-            )
-            llm = http_llm(fake.url)
-            try:
-                plan = await ask_v2.answer_pass(request, llm.complete, None, OPTIONS)
-            finally:
-                await llm.aclose()
-            assert fake.stats()["requests"] == (1 if answer == "no" else 2)
+        plan, requests = await _answered(
+            request,
+            [
+                {"content": f'{{"same_subject": "{answer}"}}'},
+                {"content": f'{{"text": "{club} {fact}"}}'},
+            ],
+        )
+        assert requests == (1 if answer == "no" else 2)
         assert [c.text for c in plan.creates] == creates, answer
         assert len(plan.updates) == (0 if answer == "no" else 1)
 
@@ -1171,32 +1178,20 @@ def test_an_ended_observation_is_merged_into_the_one_the_change_updates() -> Non
 async def test_a_model_is_asked_whether_a_change_ends_an_observation_beside_its_own(
     answer: str,
 ) -> None:
-    when = datetime(2026, 1, 1, tzinfo=UTC)
-    request = build_request(
-        "b",
-        ("user",),
-        None,
-        [FactInput(uuid.uuid4(), MOVED_AWAY, ("user",), when)],
-        [ObservationInput(uuid.uuid4(), text, 1, when) for text in (HOME, FLAT)],
-    )
+    request = _one_fact(MOVED_AWAY, [HOME, FLAT], "user")
     ids = [o.id for o in narrow.pass_inputs(request).observations]
     rewritten = f"{HOME} {FLAT} {MOVED_AWAY}" if answer == "yes" else f"{HOME} {MOVED_AWAY}"
-    with FakeLLMServer(FakeLLMConfig()) as fake:
-        fake.control(
-            script=[
-                {"content": '{"f1": "update:o1"}'},
-                # "Paris" is in every text of the pass, so no telling word: the pick is asked.
-                {"content": '{"same_subject": "yes"}'},
-                {"content": f'{{"same_subject": "{answer}"}}'},
-                {"content": orjson.dumps({"text": rewritten}).decode()},
-            ]
-        )
-        llm = http_llm(fake.url)
-        try:
-            plan = await ask_v2.answer_pass(request, llm.complete, None, OPTIONS)
-        finally:
-            await llm.aclose()
-        assert fake.stats()["requests"] == 4  # decide, two yes/no questions, the rewrite
+    plan, requests = await _answered(
+        request,
+        [
+            {"content": '{"f1": "update:o1"}'},
+            # "Paris" is in every text of the pass, so no telling word: the pick is asked.
+            {"content": '{"same_subject": "yes"}'},
+            {"content": f'{{"same_subject": "{answer}"}}'},
+            {"content": orjson.dumps({"text": rewritten}).decode()},
+        ],
+    )
+    assert requests == 4  # decide, two yes/no questions, the rewrite
     if answer == "yes":
         (merge,) = plan.merges
         assert (merge.observation_ids, merge.text) == (tuple(ids), rewritten)
