@@ -810,10 +810,6 @@ def made_stale(found: Candidates, decisions: Mapping[str, Decision]) -> dict[str
         decision = decisions.get(question.fact.ref)
         if decision is None or decision.kind == NEW or decision.target is None:
             continue
-        values = [
-            (frozenset(map(_stem, old)), frozenset(map(_stem, new)))
-            for old, new in changes(question.fact.text)
-        ]
         updated = _stems(candidate_text(question, decision.target) or "")
         for candidate in question.candidates:
             if (
@@ -822,10 +818,7 @@ def made_stale(found: Candidates, decisions: Mapping[str, Decision]) -> dict[str
                 or candidate.ref in claimed
             ):
                 continue
-            own = _stems(candidate.text)
-            if any(
-                old and old <= own and old <= updated and own.isdisjoint(new) for old, new in values
-            ):
+            if any(old <= updated for old in ended_values(question.fact.text, candidate.text)):
                 stale.setdefault(question.fact.ref, []).append(candidate.ref)
                 claimed.add(candidate.ref)
     return stale
@@ -1050,6 +1043,20 @@ def changes(text: str) -> list[tuple[frozenset[str], frozenset[str]]]:
             first = _value(match.group(1), last=True)
             second = _value(match.group(2), last=False)
             found.append((second, first) if new_first else (first, second))
+    return found
+
+
+def ended_values(change: str, text: str) -> list[frozenset[str]]:
+    """The values ``change`` replaces (:func:`changes`) that ``text`` states with none of the
+    new value, as crude stems: "I moved from Paris to Berlin" of "My flat in Paris is close to
+    the Canal Saint-Martin" gives [{paris}]; of "My flat in Paris is sublet while I look for one
+    in Berlin", nothing."""
+    own = _stems(text)
+    found = []
+    for old, new in changes(change):
+        old_stems = frozenset(map(_stem, old))
+        if old_stems and old_stems <= own and own.isdisjoint(map(_stem, new)):
+            found.append(old_stems)
     return found
 
 

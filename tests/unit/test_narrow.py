@@ -1161,6 +1161,15 @@ def test_an_observation_stating_the_new_value_or_one_another_fact_takes_is_not_e
     assert narrow.made_stale(found, decisions) == {}
 
 
+def test_the_values_a_change_ends_are_those_a_text_states_without_the_new_one() -> None:
+    (paris,) = narrow.ended_values(MOVED_AWAY, FLAT)
+    assert paris == narrow.ended_values(MOVED_AWAY, HOME)[0] and len(paris) == 1
+    assert narrow.ended_values(MOVED_AWAY, "My flat in Paris is sublet; I live in Berlin.") == []
+    assert narrow.ended_values(MOVED_AWAY, "My sister Anna lives in Vienna.") == []
+    # A change that does not say what it replaces ends no value.
+    assert narrow.ended_values("I live in Berlin now.", HOME) == []
+
+
 def test_an_ended_observation_is_merged_into_the_one_the_change_updates() -> None:
     given = inputs([MOVED_AWAY], [HOME, FLAT])
     groups = narrow.assemble(given, {"f1": Decision("update", "o1")}, {"f1": ["o2"]})
