@@ -9,11 +9,17 @@ says little about the question itself. Here every pair the banks' labels make is
 - ``hard negative``: facts of two labels a bank keeps apart (``distinct_from``; no);
 - ``shares a word``: facts of two other labels of one scope that share a telling word (no);
 - with ``--set changes``, every fact that announces a change against the first fact of each
-  label of its scope told before it: ``change of it`` (yes) and ``change of another`` (no).
+  label of its scope told before it: ``change of it`` (yes) and ``change of another`` (no);
+- with ``--set ends``, every fact that says which value it replaces against each earlier fact
+  of its label that states that value (``states its old value``, yes: the question the engine
+  asks before a change ends an observation beside the one it updates) and against the first
+  fact of each other label of its scope told before it (``change of another``, no).
 
 Each pair is asked as the engine asks it; with ``--change-instructions`` a fact that announces a
 change is asked with :data:`CHANGE_INSTRUCTIONS` instead, a variant docs/quality.md measured and
-the engine did not adopt. Against the lane's model (``--model``; its venv and model must be
+the engine did not adopt; with ``--instructions FILE`` every pair is asked with that file's
+instructions (the variants docs/quality.md measured are in ``bench/realmodel/variants/``).
+``--fresh-context`` serves the lane's model as ``bench quality --fresh-context`` does. Against the lane's model (``--model``; its venv and model must be
 installed: ``python -m bench realmodel`` once) or any OpenAI-compatible endpoint
 (``--base-url``, ``--llm-model``). A few minutes a bank on the lane; the server reuses the
 previous prompt's evaluation, so an answer on the edge may differ from a quality run's
@@ -46,9 +52,17 @@ HARD_NEGATIVE = "hard negative"
 SHARES_A_WORD = "shares a word"
 CHANGE_OF_IT = "change of it"
 CHANGE_OF_ANOTHER = "change of another"
-KINDS = (SAME_LABEL, HARD_NEGATIVE, SHARES_A_WORD, CHANGE_OF_IT, CHANGE_OF_ANOTHER)
-YES_KINDS = frozenset({SAME_LABEL, CHANGE_OF_IT})
-SETS = ("pairs", "changes")
+STATES_OLD_VALUE = "states its old value"
+KINDS = (
+    SAME_LABEL,
+    HARD_NEGATIVE,
+    SHARES_A_WORD,
+    CHANGE_OF_IT,
+    CHANGE_OF_ANOTHER,
+    STATES_OLD_VALUE,
+)
+YES_KINDS = frozenset({SAME_LABEL, CHANGE_OF_IT, STATES_OLD_VALUE})
+SETS = ("pairs", "changes", "ends")
 
 # Asked "about the same thing", the 1.5B model answers no to most changes of the very observation
 # they change; these instructions ask whether the change is to what the observation states.
@@ -133,10 +147,41 @@ def change_pairs(qbank: QualityBank) -> list[Pair]:
     return found
 
 
+def ends_pairs(qbank: QualityBank) -> list[Pair]:
+    """Every fact that says which value it replaces (:func:`narrow.changes`, as
+    :func:`narrow.made_stale` reads it) against each fact of its label told before it that
+    states that value and none of the new one (``states its old value``: what the engine asks
+    before it ends an observation beside the one the change updates), and against the first
+    fact of each other label of its scope told before it (``change of another``)."""
+    found: list[Pair] = []
+    for scope, memories in _scopes(qbank).items():
+        first: dict[str, LabelledMemory] = {}
+        for at, memory in enumerate(memories):
+            if narrow.changes(memory.text):
+                found += [
+                    Pair(qbank.name, scope, earlier.text, memory.text, STATES_OLD_VALUE)
+                    for earlier in memories[:at]
+                    if earlier.label == memory.label
+                    and narrow.ended_values(memory.text, earlier.text)
+                ]
+                found += [
+                    Pair(qbank.name, scope, head.text, memory.text, CHANGE_OF_ANOTHER)
+                    for label, head in first.items()
+                    if label != memory.label
+                ]
+            first.setdefault(memory.label, memory)
+    return found
+
+
 async def ask(
-    llm: HTTPConsolidator, asked: Sequence[Pair], *, change_instructions: bool
+    llm: HTTPConsolidator,
+    asked: Sequence[Pair],
+    *,
+    change_instructions: bool,
+    instructions: str | None = None,
 ) -> list[bool | None]:
-    """The model's answer to each pair, one request at a time; None for an unusable answer."""
+    """The model's answer to each pair, one request at a time; None for an unusable answer.
+    ``instructions`` replace the question's for every pair."""
     answers: list[bool | None] = []
     for pair in asked:
         chat = confirm_chat(
@@ -144,6 +189,8 @@ async def ask(
         )
         if change_instructions and narrow.announces_change(pair.fact):
             chat = dataclasses.replace(chat, system=CHANGE_INSTRUCTIONS)
+        if instructions is not None:
+            chat = dataclasses.replace(chat, system=instructions)
         try:
             answers.append(parse_confirm((await llm.complete(chat)).content))
         except InvalidLLMOutput:
@@ -172,11 +219,18 @@ def render(asked: Sequence[Pair], answers: Sequence[bool | None]) -> str:
 
 
 async def _run(
-    url: str, model: str, asked: Sequence[Pair], *, change_instructions: bool
+    url: str,
+    model: str,
+    asked: Sequence[Pair],
+    *,
+    change_instructions: bool,
+    instructions: str | None,
 ) -> list[bool | None]:
     llm = HTTPConsolidator(base_url=url, model=model, timeout_s=600)
     try:
-        return await ask(llm, asked, change_instructions=change_instructions)
+        return await ask(
+            llm, asked, change_instructions=change_instructions, instructions=instructions
+        )
     finally:
         await llm.aclose()
 
@@ -191,21 +245,36 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="ask a fact that announces a change with CHANGE_INSTRUCTIONS",
     )
+    parser.add_argument(
+        "--instructions",
+        type=Path,
+        help="ask every pair with the instructions in this file instead (a variant to measure)",
+    )
     parser.add_argument("--json", type=Path, help="write every pair and its answer here")
     args = parser.parse_args(argv)
+    try:
+        instructions = args.instructions.read_text() if args.instructions else None
+    except OSError as exc:
+        parser.error(f"cannot read --instructions: {exc}")
     banks = load_banks(DEFAULT_BANK_FILES)
     unknown = sorted(set(args.bank or ()) - {b.name for b in banks})
     if unknown:
         parser.error(f"unknown bank(s) {unknown}; known: {sorted(b.name for b in banks)}")
     chosen = [b for b in banks if not args.bank or b.name in args.bank]
-    make = pairs if args.which == "pairs" else change_pairs
+    make = {"pairs": pairs, "changes": change_pairs, "ends": ends_pairs}[args.which]
     asked = [pair for qbank in chosen for pair in make(qbank)]
     answers = on_endpoint_or_lane(
         parser,
         args,
         "confirm-server.log",
         lambda url, model: asyncio.run(
-            _run(url, model, asked, change_instructions=args.change_instructions)
+            _run(
+                url,
+                model,
+                asked,
+                change_instructions=args.change_instructions,
+                instructions=instructions,
+            )
         ),
     )
     if args.json:

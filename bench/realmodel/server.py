@@ -499,6 +499,11 @@ def add_endpoint_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_HOME)
     parser.add_argument("--base-url", help="an OpenAI-compatible endpoint instead of the lane")
     parser.add_argument("--llm-model", default="default", help="the model name it serves")
+    parser.add_argument(
+        "--fresh-context",
+        action="store_true",
+        help="serve the lane's model with every prompt evaluated from an empty context",
+    )
 
 
 def on_endpoint_or_lane(
@@ -513,7 +518,9 @@ def on_endpoint_or_lane(
     if args.base_url:
         return run(args.base_url, args.llm_model)
     try:
-        server = installed_server(args.cache_dir, args.model, log_name)
+        server = installed_server(
+            args.cache_dir, args.model, log_name, fresh_context=args.fresh_context
+        )
     except FileNotFoundError as exc:
         parser.error(str(exc))
     with server:

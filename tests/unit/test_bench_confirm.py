@@ -10,6 +10,7 @@ import pytest
 
 from bench.quality.banks import DEFAULT_BANK_FILES, load_quality_bank
 from bench.realmodel import confirm
+from bench.realmodel.server import DEFAULT_MODEL, FRESH_CONTEXT_LAUNCHER, MODELS
 from consolidation.llm.prompts_v2 import CONFIRM_PROMPT
 from consolidation.testing.fake_llm import FakeLLMConfig, FakeLLMServer
 
@@ -61,6 +62,37 @@ def test_each_pair_is_asked_as_the_engine_asks_it_or_as_the_variant(
     assert {kind: int(n) for kind, _, n in counted} == {"change of it": 5, "change of another": 56}
 
 
+def test_the_ends_set_pairs_a_change_with_what_states_its_old_value_and_other_labels() -> None:
+    kinds = _kinds(confirm.ends_pairs(LANE_BANK))
+    moved = "I moved from Paris to Berlin last week."
+    flat = "My flat in Paris is close to the Canal Saint-Martin."
+    assert kinds[HOME, moved] == kinds[flat, moved] == "states its old value"
+    assert kinds[JOB, moved] == "change of another"
+    # Only facts that say which value they replace: the Globex job names no old value.
+    assert all(fact != GLOBEX for _, fact in kinds)
+    assert all(p.want == (p.kind == "states its old value") for p in confirm.ends_pairs(LANE_BANK))
+
+
+def test_every_pair_is_asked_with_the_instructions_given(tmp_path: Path) -> None:
+    instructions = tmp_path / "variant.txt"
+    instructions.write_text("Answer yes or no.")
+    argv = ["--bank", "realmodel", "--set", "ends", "--instructions", str(instructions)]
+    with FakeLLMServer(FakeLLMConfig(record_messages=True)) as fake:
+        assert confirm.main([*argv, "--base-url", fake.url, "--llm-model", "fake"]) == 0
+        calls = fake.stats()["calls"]
+    assert len(calls) == len(confirm.ends_pairs(LANE_BANK))
+    assert {call["messages"][0][1] for call in calls} == {"Answer yes or no."}
+
+
+def test_unreadable_instructions_are_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        confirm.main(["--instructions", str(tmp_path / "missing.txt"), "--base-url", "x"])
+    assert exit_.value.code == 2
+    assert "cannot read --instructions" in capsys.readouterr().err
+
+
 def test_an_unknown_bank_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_:
         confirm.main(["--bank", "nowhere", "--base-url", "http://127.0.0.1:9/v1"])
@@ -75,3 +107,24 @@ def test_without_the_lane_it_says_how_to_get_it(
         confirm.main(["--cache-dir", str(tmp_path), "--bank", "realmodel"])
     assert exit_.value.code == 2
     assert "run `python -m bench realmodel` once first" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_the_lane_server_is_started_fresh_only_when_asked(
+    fresh: bool, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A stand-in for the lane's venv python that writes down how it was started, then exits.
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\nexit 3\n')
+    python.chmod(0o755)
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / MODELS[DEFAULT_MODEL].filename).write_bytes(b"")
+    argv = ["--cache-dir", str(tmp_path), "--bank", "realmodel"]
+    with pytest.raises(RuntimeError, match="exited with 3"):
+        confirm.main([*argv, "--fresh-context"] if fresh else argv)
+    started = (tmp_path / "confirm-server.log").read_text()
+    if fresh:
+        assert started.startswith(f"-c\n{FRESH_CONTEXT_LAUNCHER}")
+    else:
+        assert started.startswith("-m\nllama_cpp.server\n--model\n")
