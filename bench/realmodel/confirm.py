@@ -15,9 +15,10 @@ says little about the question itself. Here every pair the banks' labels make is
   asks before a change ends an observation beside the one it updates) and against the first
   fact of each other label of its scope told before it (``change of another``, no).
 
-Each pair is asked as the engine asks it; with ``--change-instructions`` a fact that announces a
-change is asked with :data:`CHANGE_INSTRUCTIONS` instead, a variant docs/quality.md measured and
-the engine did not adopt; with ``--instructions FILE`` every pair is asked with that file's
+Each pair is asked as the engine asks it (of the ``ends`` set, with the instructions of a
+change, :data:`CHANGE_INSTRUCTIONS`); with ``--change-instructions`` any other fact that
+announces a change is asked with those too, a variant docs/quality.md measured and the engine
+did not adopt there; with ``--instructions FILE`` every pair is asked with that file's
 instructions (the variants docs/quality.md measured are in ``bench/realmodel/variants/``).
 ``--fresh-context`` serves the lane's model as ``bench quality --fresh-context`` does. Against the lane's model (``--model``; its venv and model must be
 installed: ``python -m bench realmodel`` once) or any OpenAI-compatible endpoint
@@ -45,7 +46,12 @@ from bench.realmodel.server import add_endpoint_arguments, on_endpoint_or_lane
 from consolidation.errors import InvalidLLMOutput
 from consolidation.llm import narrow
 from consolidation.llm.client import HTTPConsolidator
-from consolidation.llm.prompts_v2 import Shown, confirm_chat, parse_confirm
+from consolidation.llm.prompts_v2 import (
+    CHANGE_CONFIRM_PROMPT,
+    Shown,
+    confirm_chat,
+    parse_confirm,
+)
 
 SAME_LABEL = "same label"
 HARD_NEGATIVE = "hard negative"
@@ -66,19 +72,9 @@ SETS = ("pairs", "changes", "ends")
 
 # Asked "about the same thing", the 1.5B model answers no to most changes of the very observation
 # they change; these instructions ask whether the change is to what the observation states.
-# It then says yes to most of those, and to many changes of other observations too.
-CHANGE_INSTRUCTIONS = """\
-You keep an AI agent's memory tidy. INPUT is one JSON object with an existing "observation" and \
-a new "fact" that reports a change: something moved, was replaced, switched, rose, was \
-postponed or started anew. Answer "yes" when the change is to the very thing the observation \
-states, so that the observation now holds an old value: a new job replaces the old job, a new \
-home the old home, a new version, tool or supplier the old one, a new date or price the old \
-one of the same event or item. Answer "no" when the change is to something else, even if it \
-names the same person, project or place: a project's new database does not change its \
-language, a new launch date does not change its budget, two people called Anna are two people.
-
-ANSWER with one JSON object: {"same_subject": "yes"} or {"same_subject": "no"}. Nothing else.
-"""
+# It then says yes to most of those, and to many changes of other observations too. The engine
+# asks them only of what a change ends beside the observation it updates (``--set ends``).
+CHANGE_INSTRUCTIONS = CHANGE_CONFIRM_PROMPT
 
 
 @dataclass(frozen=True)
@@ -179,13 +175,20 @@ async def ask(
     *,
     change_instructions: bool,
     instructions: str | None = None,
+    of_change: bool = False,
 ) -> list[bool | None]:
     """The model's answer to each pair, one request at a time; None for an unusable answer.
-    ``instructions`` replace the question's for every pair."""
+    ``of_change``: asked as the engine asks what a change ends; ``instructions`` replace the
+    question's for every pair."""
     answers: list[bool | None] = []
     for pair in asked:
         chat = confirm_chat(
-            pair.bank, pair.scope, None, Shown("f1", pair.fact), Shown("o1", pair.observation)
+            pair.bank,
+            pair.scope,
+            None,
+            Shown("f1", pair.fact),
+            Shown("o1", pair.observation),
+            of_change=of_change,
         )
         if change_instructions and narrow.announces_change(pair.fact):
             chat = dataclasses.replace(chat, system=CHANGE_INSTRUCTIONS)
@@ -225,11 +228,16 @@ async def _run(
     *,
     change_instructions: bool,
     instructions: str | None,
+    of_change: bool,
 ) -> list[bool | None]:
     llm = HTTPConsolidator(base_url=url, model=model, timeout_s=600)
     try:
         return await ask(
-            llm, asked, change_instructions=change_instructions, instructions=instructions
+            llm,
+            asked,
+            change_instructions=change_instructions,
+            instructions=instructions,
+            of_change=of_change,
         )
     finally:
         await llm.aclose()
@@ -274,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                 asked,
                 change_instructions=args.change_instructions,
                 instructions=instructions,
+                of_change=args.which == "ends",
             )
         ),
     )

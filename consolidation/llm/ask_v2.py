@@ -222,10 +222,14 @@ async def _confirmed_stale(
     found: narrow.Candidates,
     stale: Mapping[str, Sequence[str]],
 ) -> dict[str, list[str]]:
-    """The observations of ``stale`` the yes/no question says each fact is about."""
+    """The observations of ``stale`` the yes/no question, asked as of a change, says each
+    fact's change leaves holding an old value."""
     asked = [(ref, target) for ref, targets in stale.items() for target in targets]
     said = await asyncio.gather(
-        *(_confirm(complete, inputs, found, ref, Decision(UPDATE, target)) for ref, target in asked)
+        *(
+            _confirm(complete, inputs, found, ref, Decision(UPDATE, target), of_change=True)
+            for ref, target in asked
+        )
     )
     confirmed: dict[str, list[str]] = {}
     for (ref, target), yes in zip(asked, said, strict=True):
@@ -260,10 +264,14 @@ async def _confirm(
     found: narrow.Candidates,
     ref: str,
     decision: Decision,
+    *,
+    of_change: bool = False,
 ) -> bool:
     question = found.question(ref)
     target = next(c for c in question.candidates if c.ref == decision.target)
-    chat = confirm_chat(inputs.bank, inputs.scope, inputs.mission, question.fact, target)
+    chat = confirm_chat(
+        inputs.bank, inputs.scope, inputs.mission, question.fact, target, of_change=of_change
+    )
     try:
         return parse_confirm((await complete(chat)).content)
     except InvalidLLMOutput:

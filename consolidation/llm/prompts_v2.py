@@ -70,6 +70,23 @@ stores data, when it runs, how long it keeps things) are different things.
 ANSWER with one JSON object: {"same_subject": "yes"} or {"same_subject": "no"}. Nothing else.
 """
 
+# What a change ends beside the observation it updates (narrow.made_stale) is asked as a change.
+# Of the banks' 6 observations that state the very value a change replaces, the 1.5B model says
+# yes to 1 asked whether the change is "about the same thing", and to 4 asked whether the
+# observation now holds an old value (docs/quality.md, "What a change ends").
+CHANGE_CONFIRM_PROMPT = """\
+You keep an AI agent's memory tidy. INPUT is one JSON object with an existing "observation" and \
+a new "fact" that reports a change: something moved, was replaced, switched, rose, was \
+postponed or started anew. Answer "yes" when the change is to the very thing the observation \
+states, so that the observation now holds an old value: a new job replaces the old job, a new \
+home the old home, a new version, tool or supplier the old one, a new date or price the old \
+one of the same event or item. Answer "no" when the change is to something else, even if it \
+names the same person, project or place: a project's new database does not change its \
+language, a new launch date does not change its budget, two people called Anna are two people.
+
+ANSWER with one JSON object: {"same_subject": "yes"} or {"same_subject": "no"}. Nothing else.
+"""
+
 # Answers are short: a decision is a few tokens per fact, a rewrite one or two sentences.
 DECIDE_MAX_TOKENS_BASE = 32
 DECIDE_MAX_TOKENS_PER_FACT = 16
@@ -181,14 +198,21 @@ def rewrite_chat(
 
 
 def confirm_chat(
-    bank: str, scope: Sequence[str], mission: str | None, fact: Shown, candidate: Shown
+    bank: str,
+    scope: Sequence[str],
+    mission: str | None,
+    fact: Shown,
+    candidate: Shown,
+    *,
+    of_change: bool = False,
 ) -> Chat:
-    """The confirm request: is ``fact`` about the same subject as ``candidate``, yes or no."""
+    """The confirm request: is ``fact`` about the same subject as ``candidate``, yes or no;
+    ``of_change``: does the change ``fact`` reports leave ``candidate`` holding an old value."""
     payload = _head(bank, scope, mission, CONFIRM)
     payload["observation"] = {"text": candidate.text}
     payload["fact"] = {"text": fact.text}
     return Chat(
-        system=CONFIRM_PROMPT,
+        system=CHANGE_CONFIRM_PROMPT if of_change else CONFIRM_PROMPT,
         user=orjson.dumps(payload).decode(),
         schema=_object_schema({"same_subject": {"type": "string", "enum": [YES, NO]}}),
         max_tokens=CONFIRM_MAX_TOKENS,

@@ -11,7 +11,7 @@ import pytest
 from bench.quality.banks import DEFAULT_BANK_FILES, load_quality_bank
 from bench.realmodel import confirm
 from bench.realmodel.server import DEFAULT_MODEL, FRESH_CONTEXT_LAUNCHER, MODELS
-from consolidation.llm.prompts_v2 import CONFIRM_PROMPT
+from consolidation.llm.prompts_v2 import CHANGE_CONFIRM_PROMPT, CONFIRM_PROMPT
 from consolidation.testing.fake_llm import FakeLLMConfig, FakeLLMServer
 
 LANE_BANK = load_quality_bank(DEFAULT_BANK_FILES[0])
@@ -71,6 +71,15 @@ def test_the_ends_set_pairs_a_change_with_what_states_its_old_value_and_other_la
     # Only facts that say which value they replace: the Globex job names no old value.
     assert all(fact != GLOBEX for _, fact in kinds)
     assert all(p.want == (p.kind == "states its old value") for p in confirm.ends_pairs(LANE_BANK))
+
+
+def test_the_ends_set_is_asked_as_the_engine_asks_what_a_change_ends() -> None:
+    with FakeLLMServer(FakeLLMConfig(record_messages=True)) as fake:
+        argv = ["--bank", "realmodel", "--set", "ends", "--base-url", fake.url]
+        assert confirm.main(argv) == 0
+        calls = fake.stats()["calls"]
+    assert len(calls) == len(confirm.ends_pairs(LANE_BANK))
+    assert {call["messages"][0][1] for call in calls} == {CHANGE_CONFIRM_PROMPT}
 
 
 def test_every_pair_is_asked_with_the_instructions_given(tmp_path: Path) -> None:

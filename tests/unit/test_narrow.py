@@ -21,6 +21,8 @@ from consolidation.llm.prompts import (
     build_request,
 )
 from consolidation.llm.prompts_v2 import (
+    CHANGE_CONFIRM_PROMPT,
+    CONFIRM_PROMPT,
     Decision,
     Question,
     Shown,
@@ -1190,17 +1192,26 @@ async def test_a_model_is_asked_whether_a_change_ends_an_observation_beside_its_
     request = _one_fact(MOVED_AWAY, [HOME, FLAT], "user")
     ids = [o.id for o in narrow.pass_inputs(request).observations]
     rewritten = f"{HOME} {FLAT} {MOVED_AWAY}" if answer == "yes" else f"{HOME} {MOVED_AWAY}"
-    plan, requests = await _answered(
-        request,
-        [
-            {"content": '{"f1": "update:o1"}'},
-            # "Paris" is in every text of the pass, so no telling word: the pick is asked.
-            {"content": '{"same_subject": "yes"}'},
-            {"content": f'{{"same_subject": "{answer}"}}'},
-            {"content": orjson.dumps({"text": rewritten}).decode()},
-        ],
-    )
-    assert requests == 4  # decide, two yes/no questions, the rewrite
+    with FakeLLMServer(FakeLLMConfig(record_messages=True)) as fake:
+        fake.control(
+            script=[
+                {"content": '{"f1": "update:o1"}'},
+                # "Paris" is in every text of the pass, so no telling word: the pick is asked.
+                {"content": '{"same_subject": "yes"}'},
+                {"content": f'{{"same_subject": "{answer}"}}'},
+                {"content": orjson.dumps({"text": rewritten}).decode()},
+            ]
+        )
+        llm = http_llm(fake.url)
+        try:
+            plan = await ask_v2.answer_pass(request, llm.complete, None, OPTIONS)
+        finally:
+            await llm.aclose()
+        calls = fake.stats()["calls"]
+    # Decide, the pick's question, what the change ends asked as of a change, the rewrite.
+    assert [c["messages"][0][1] for c in calls[1:3]] == [CONFIRM_PROMPT, CHANGE_CONFIRM_PROMPT]
+    assert orjson.loads(calls[2]["messages"][1][1])["observation"]["text"] == FLAT
+    assert len(calls) == 4
     if answer == "yes":
         (merge,) = plan.merges
         assert (merge.observation_ids, merge.text) == (tuple(ids), rewritten)
