@@ -49,6 +49,14 @@ BEFORE: tuple[tuple[str, Chat | None], ...] = (
 )
 
 
+def pair_question(fact: str, observation: str, *, of_change: bool = False) -> Chat:
+    """The yes/no question of ``fact`` and ``observation`` (scope 'user'), as the engine asks
+    it of a pick, or with ``of_change`` as it asks what a change ends."""
+    return confirm_chat(
+        BANK, SCOPE, None, Shown("f1", fact), Shown("o1", observation), of_change=of_change
+    )
+
+
 async def probe(url: str, alias: str, question: Chat = CONFIRM) -> list[tuple[str, str]]:
     """Each situation of :data:`BEFORE` and the model's answer to ``question`` in it."""
     llm = HTTPConsolidator(base_url=url, model=alias, timeout_s=600)
@@ -78,11 +86,18 @@ def main(argv: list[str] | None = None) -> int:
         metavar=("FACT", "OBSERVATION"),
         help="ask the yes/no question of this fact and observation instead (scope 'user')",
     )
+    parser.add_argument(
+        "--of-change",
+        action="store_true",
+        help="with --pair: ask it as the engine asks what a change ends",
+    )
     args = parser.parse_args(argv)
     question = CONFIRM
+    if args.of_change and not args.pair:
+        parser.error("--of-change asks a --pair")
     if args.pair:
         fact, observation = args.pair
-        question = confirm_chat(BANK, SCOPE, None, Shown("f1", fact), Shown("o1", observation))
+        question = pair_question(fact, observation, of_change=args.of_change)
     try:
         server = installed_server(
             args.cache_dir, args.model, "probe-server.log", fresh_context=args.fresh_context
