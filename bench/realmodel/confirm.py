@@ -24,7 +24,7 @@ instructions (the variants docs/quality.md measured are in ``bench/realmodel/var
 installed: ``python -m bench realmodel`` once) or any OpenAI-compatible endpoint
 (``--base-url``, ``--llm-model``). A few minutes a bank on the lane; the server reuses the
 previous prompt's evaluation, so an answer on the edge may differ from a quality run's
-(:mod:`bench.realmodel.probe`).
+(:mod:`bench.realmodel.probe`) unless both run with ``--fresh-context``.
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ ANSWER with one JSON object: {"same_subject": "yes"} or {"same_subject": "no"}. 
 # What a change ends beside the observation it updates (narrow.made_stale) is asked as a change.
 # Of the banks' 6 observations that state the very value a change replaces, the 1.5B model says
 # yes to 1 asked whether the change is "about the same thing", and to 4 asked whether the
-# observation now holds an old value (docs/quality.md, "What a change ends").
+# observation now holds an old value (docs/quality.md, "Asked as of a change").
 CHANGE_CONFIRM_PROMPT = """\
 You keep an AI agent's memory tidy. INPUT is one JSON object with an existing "observation" and \
 a new "fact" that reports a change: something moved, was replaced, switched, rose, was \
