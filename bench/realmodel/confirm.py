@@ -188,10 +188,8 @@ async def ask(
             None,
             Shown("f1", pair.fact),
             Shown("o1", pair.observation),
-            of_change=of_change,
+            of_change=of_change or (change_instructions and narrow.announces_change(pair.fact)),
         )
-        if change_instructions and narrow.announces_change(pair.fact):
-            chat = dataclasses.replace(chat, system=CHANGE_INSTRUCTIONS)
         if instructions is not None:
             chat = dataclasses.replace(chat, system=instructions)
         try:
