@@ -101,7 +101,9 @@ async def _decisions(
     options: narrow.NarrowOptions,
 ) -> dict[str, Decision]:
     """Every fact's decision: the sure ones without a call, the rest asked; a same/update moved
-    to the candidate that shares clearly more with the fact, and one whose candidate shares too
+    to the candidate that shares clearly more with the fact, or to the one that states the value
+    its change replaces when the pick does not (:func:`narrow.onto_old_value`), and one whose
+    candidate shares too
     little moved to the one candidate that shares enough or made new when it shares nothing;
     then new if its candidate measures another property of the subject, or else, when it
     shares too little (or less than half of what the fact names), confirmed by a yes/no
@@ -115,7 +117,10 @@ async def _decisions(
     chunks = [asked[i : i + size] for i in range(0, len(asked), size)]
     answers = await asyncio.gather(*(_decide(complete, inputs, chunk) for chunk in chunks))
     model_said = {ref: d for answer in answers for ref, d in answer.items()}
-    said = {ref: narrow.clearer(found, ref, d) for ref, d in model_said.items()}
+    said = {
+        ref: narrow.onto_old_value(found, ref, narrow.clearer(found, ref, d))
+        for ref, d in model_said.items()
+    }
     doubtful = []
     for ref in narrow.unlinked(found, said):
         better = narrow.stronger(found, ref, said[ref])

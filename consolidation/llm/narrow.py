@@ -672,6 +672,25 @@ def clearer(found: Candidates, ref: str, decision: Decision) -> Decision:
     return decision
 
 
+def onto_old_value(found: Candidates, ref: str, decision: Decision) -> Decision:
+    """``decision``, or the same kind of decision on the one candidate that states the value
+    the fact's change replaces (:func:`ended_values`) when the model's pick states none: a
+    change that says what it replaces names the observation it changes. Shown "My GP is Dr.
+    Okafor at the Eastside practice" and "I take 5 mg of amlodipine every morning for my blood
+    pressure", the 1.5B model without embeddings took "Dr. Okafor raised my amlodipine dose
+    from 5 mg to 10 mg" for an update of the GP, and the dose was left at 5 mg. Two candidates
+    stating the old value leave the pick to the model (either, :func:`made_stale` ends the
+    other)."""
+    if decision.kind == NEW or decision.target is None:
+        return decision
+    question = found.question(ref)
+    fact = question.fact.text
+    stating = [c.ref for c in question.candidates if ended_values(fact, c.text)]
+    if len(stating) == 1 and decision.target not in stating:
+        return Decision(decision.kind, stating[0])
+    return decision
+
+
 def stronger(found: Candidates, ref: str, decision: Decision) -> Decision | None:
     """What to make of a doubtful same/update without asking again, or None to ask.
 
@@ -810,7 +829,7 @@ def made_stale(found: Candidates, decisions: Mapping[str, Decision]) -> dict[str
         decision = decisions.get(question.fact.ref)
         if decision is None or decision.kind == NEW or decision.target is None:
             continue
-        updated = _stems(candidate_text(question, decision.target) or "")
+        updated = value_stems(candidate_text(question, decision.target) or "")
         for candidate in question.candidates:
             if (
                 not candidate.ref.startswith("o")
@@ -1046,16 +1065,26 @@ def changes(text: str) -> list[tuple[frozenset[str], frozenset[str]]]:
     return found
 
 
+def value_stems(text: str) -> frozenset[str]:
+    """The stems of ``text``'s words as :func:`changes` reads a value: stop words left out,
+    one-letter words kept ("5 mg")."""
+    words = _VALUE_WORD.findall(text.lower())
+    return frozenset(_stem(w) for w in words if w not in offline.STOP_WORDS)
+
+
 def ended_values(change: str, text: str) -> list[frozenset[str]]:
-    """The values ``change`` replaces (:func:`changes`) that ``text`` states with none of the
-    new value, as crude stems: "I moved from Paris to Berlin" of "My flat in Paris is close to
-    the Canal Saint-Martin" gives [{paris}]; of "My flat in Paris is sublet while I look for one
-    in Berlin", nothing."""
-    own = _stems(text)
+    """The values ``change`` replaces (:func:`changes`) that ``text`` states with none of what
+    tells the new value from the old, as crude stems: "I moved from Paris to Berlin" of "My
+    flat in Paris is close to the Canal Saint-Martin" gives [{paris}]; of "My flat in Paris is
+    sublet while I look for one in Berlin", nothing. The words both values share do not count
+    against the text: "raised my amlodipine dose from 5 mg to 10 mg" ends {5, mg} of "I take 5
+    mg of amlodipine every morning", which says "mg" as the new value does."""
+    own = value_stems(text)
     found = []
     for old, new in changes(change):
         old_stems = frozenset(map(_stem, old))
-        if old_stems and old_stems <= own and own.isdisjoint(map(_stem, new)):
+        new_only = frozenset(map(_stem, new)) - old_stems
+        if old_stems and old_stems <= own and own.isdisjoint(new_only):
             found.append(old_stems)
     return found
 

@@ -1252,3 +1252,36 @@ async def test_a_decide_request_numbers_the_observations_it_shows_in_their_order
             finally:
                 await llm.aclose()
         assert said == {"f2": decision}, answer
+
+
+DOSE = "I take 5 mg of amlodipine every morning for my blood pressure."
+GP = "My GP is Dr. Okafor at the Eastside practice."
+RAISED = "Dr. Okafor raised my amlodipine dose from 5 mg to 10 mg."
+
+
+def test_the_words_both_values_of_a_change_share_do_not_keep_a_text_from_stating_the_old() -> None:
+    # "mg" is in both values: the dose at 5 mg states the old one, not the new.
+    assert narrow.ended_values(RAISED, DOSE) == [frozenset({"5", "mg"})]
+    assert narrow.ended_values(RAISED, "I take 10 mg of amlodipine now.") == []
+    assert narrow.ended_values(RAISED, GP) == []
+    upgraded = "The main database was upgraded from Postgres 14 to Postgres 16."
+    assert narrow.ended_values(upgraded, "The main database runs Postgres 14.")
+    assert narrow.ended_values(upgraded, "The main database runs Postgres 16.") == []
+
+
+def test_a_change_pointed_at_what_does_not_state_its_old_value_moves_to_the_one_that_does() -> None:
+    given = inputs([RAISED], [GP, DOSE])
+    found = narrow.pick_candidates(given, None, narrow.NarrowOptions(lexical_floor=0.0))
+    assert [c.text for c in found.questions[0].candidates] == [GP, DOSE]
+    for kind in ("same", "update"):
+        assert narrow.onto_old_value(found, "f1", Decision(kind, "o1")) == Decision(kind, "o2")
+        assert narrow.onto_old_value(found, "f1", Decision(kind, "o2")) == Decision(kind, "o2")
+    assert narrow.onto_old_value(found, "f1", Decision("new")) == Decision("new")
+    # Two candidates state the old value: the model's pick stands, whichever it is.
+    found = _near(MOVED_AWAY, {HOME: 0.51, FLAT: 0.49})
+    assert narrow.onto_old_value(found, "f1", Decision("update", "o2")) == Decision("update", "o2")
+    # A fact that does not say what it replaces keeps its pick.
+    given = inputs(["Dr. Okafor now sees me on Fridays."], [DOSE, GP])
+    found = narrow.pick_candidates(given, None, narrow.NarrowOptions(lexical_floor=0.0))
+    picked = Decision("update", "o1")
+    assert narrow.onto_old_value(found, "f1", picked) == picked
