@@ -103,11 +103,10 @@ async def _decisions(
     """Every fact's decision: the sure ones without a call, the rest asked; a same/update moved
     to the candidate that shares clearly more with the fact, or to the one that states the value
     its change replaces when the pick does not (:func:`narrow.onto_old_value`), and one whose
-    candidate shares too
-    little moved to the one candidate that shares enough or made new when it shares nothing;
-    then new if its candidate measures another property of the subject, or else, when it
-    shares too little (or less than half of what the fact names), confirmed by a yes/no
-    question. A fact with one candidate whose pick would only be made new or asked about
+    candidate shares too little moved to the one candidate that shares enough or made new when
+    it shares nothing; then new if its candidate measures another property of the subject, or
+    else, when it shares too little (or less than half of what the fact names), confirmed by a
+    yes/no question. A fact with one candidate whose pick would only be made new or asked about
     skips the decide call (:func:`narrow.without_decide`)."""
     sure = narrow.sure_decisions(found, options)
     unsure = [q for q in found.questions if q.fact.ref not in sure]
