@@ -1048,8 +1048,14 @@ _VALUE_WORDS = 3
 _VALUE_WORD = re.compile(r"[^\W_]+")
 
 
+def _value_words(text: str) -> list[str]:
+    """``text``'s words as a value is read: lower-cased, stop words left out, one-letter words
+    kept ("5 mg")."""
+    return [w for w in _VALUE_WORD.findall(text.lower()) if w not in offline.STOP_WORDS]
+
+
 def _value(words: str, *, last: bool) -> frozenset[str]:
-    found = [w for w in _VALUE_WORD.findall(words.lower()) if w not in offline.STOP_WORDS]
+    found = _value_words(words)
     return frozenset(found[-_VALUE_WORDS:] if last else found[:_VALUE_WORDS])
 
 
@@ -1066,10 +1072,8 @@ def changes(text: str) -> list[tuple[frozenset[str], frozenset[str]]]:
 
 
 def value_stems(text: str) -> frozenset[str]:
-    """The stems of ``text``'s words as :func:`changes` reads a value: stop words left out,
-    one-letter words kept ("5 mg")."""
-    words = _VALUE_WORD.findall(text.lower())
-    return frozenset(_stem(w) for w in words if w not in offline.STOP_WORDS)
+    """The stems of ``text``'s words as :func:`changes` reads a value (:func:`_value_words`)."""
+    return frozenset(map(_stem, _value_words(text)))
 
 
 def ended_values(change: str, text: str) -> list[frozenset[str]]:
