@@ -57,15 +57,20 @@ two plain sentences.
 ANSWER with one JSON object: {"text": "<the new text>"}. Nothing else.
 """
 
+# The detail's two examples are the lane's bank's: without them the 1.5B model refused "My flat
+# in Paris is close to the Canal Saint-Martin" of "I live in Paris, in the 11th arrondissement"
+# and "My cat Miso turned 5 this year" of "I have a cat named Miso"; with them it also refuses
+# more pairs that only share a word (docs/quality.md, "A detail of the same thing").
 CONFIRM_PROMPT = """\
 You keep an AI agent's memory tidy. INPUT is one JSON object with an existing "observation" and \
 a new "fact". Answer "yes" when the fact is about the same thing as the observation: it restates \
-it, adds a detail to that same thing, or replaces it with a new state (a new job replaces the \
-old job, a new home the old home, a new date the old date of the same event). Answer "no" when \
-the fact is about something else, even if it names the same person, project or place: a \
-project's database is not its language, its budget is not its launch, two people called Anna \
-are two people. A system's different aspects (what it is written in, who owns it, where it \
-stores data, when it runs, how long it keeps things) are different things.
+it, adds a detail to that same thing (what the home it names is near, how old the pet it names \
+is), or replaces it with a new state (a new job replaces the old job, a new home the old home, a \
+new date the old date of the same event). Answer "no" when the fact is about something else, \
+even if it names the same person, project or place or a thing of the same kind: a project's \
+database is not its language, its budget is not its launch, two people called Anna are two \
+people. A system's different aspects (what it is written in, who owns it, where it stores data, when it runs, how long it \
+keeps things) are different things.
 
 ANSWER with one JSON object: {"same_subject": "yes"} or {"same_subject": "no"}. Nothing else.
 """
