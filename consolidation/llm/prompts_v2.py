@@ -60,7 +60,8 @@ ANSWER with one JSON object: {"text": "<the new text>"}. Nothing else.
 # The detail's two examples are the lane's bank's: without them the 1.5B model refused "My flat
 # in Paris is close to the Canal Saint-Martin" of "I live in Paris, in the 11th arrondissement"
 # and "My cat Miso turned 5 this year" of "I have a cat named Miso"; with them it also refuses
-# more pairs that only share a word (docs/quality.md, "A detail of the same thing").
+# more pairs that only share a word. "A thing of the same kind" keeps two wholesalers apart,
+# which the detail alone joined (docs/quality.md, "A detail of the same thing").
 CONFIRM_PROMPT = """\
 You keep an AI agent's memory tidy. INPUT is one JSON object with an existing "observation" and \
 a new "fact". Answer "yes" when the fact is about the same thing as the observation: it restates \
