@@ -70,8 +70,8 @@ is), or replaces it with a new state (a new job replaces the old job, a new home
 new date the old date of the same event). Answer "no" when the fact is about something else, \
 even if it names the same person, project or place or a thing of the same kind: a project's \
 database is not its language, its budget is not its launch, two people called Anna are two \
-people. A system's different aspects (what it is written in, who owns it, where it stores data, when it runs, how long it \
-keeps things) are different things.
+people. A system's different aspects (what it is written in, who owns it, where it stores data, \
+when it runs, how long it keeps things) are different things.
 
 ANSWER with one JSON object: {"same_subject": "yes"} or {"same_subject": "no"}. Nothing else.
 """
