@@ -24,6 +24,7 @@ from consolidation.llm.client import LLMAnswer
 from consolidation.llm.prompts import Chat, PassPlan, PassRequest
 from consolidation.llm.prompts_v2 import (
     NEW,
+    SAME,
     UPDATE,
     Decision,
     Question,
@@ -72,7 +73,13 @@ async def answer_pass(
         stale = await _confirmed_stale(complete, inputs, found, stale)
     if stale:
         _log_stale(found, decisions, stale)
-    groups = narrow.assemble(inputs, decisions, stale)
+    bridges = narrow.bridged(found, decisions, stale)
+    if bridges:
+        bridges = await _confirmed_bridges(complete, inputs, found, bridges, options)
+    if bridges:
+        _log_bridges(found, decisions, bridges)
+    absorbed = {ref: [*stale.get(ref, ()), *bridges.get(ref, ())] for ref in {*stale, *bridges}}
+    groups = narrow.assemble(inputs, decisions, absorbed)
     wanted = [(i, g) for i, g in enumerate(groups) if g.updating]
     if complete is None:
         texts_of = [narrow.join(g.base, [f.shown() for f in g.updating]) for _, g in wanted]
@@ -240,6 +247,53 @@ async def _confirmed_stale(
         if yes:
             confirmed.setdefault(ref, []).append(target)
     return confirmed
+
+
+async def _confirmed_bridges(
+    complete: Complete | None,
+    inputs: narrow.PassInputs,
+    found: narrow.Candidates,
+    bridges: Mapping[str, Sequence[str]],
+    options: narrow.NarrowOptions,
+) -> dict[str, list[str]]:
+    """The observations of ``bridges`` each fact restates too, so that they are one with the
+    observation the fact joins: the yes/no question's yes with a model, else
+    :func:`narrow.locally_linked`."""
+    asked = [(ref, target) for ref, targets in bridges.items() for target in targets]
+    if complete is None:
+        said = [narrow.locally_linked(found, ref, target, options) for ref, target in asked]
+    else:
+        said = await asyncio.gather(
+            *(
+                _confirm(complete, inputs, found, ref, Decision(SAME, target))
+                for ref, target in asked
+            )
+        )
+    confirmed: dict[str, list[str]] = {}
+    for (ref, target), yes in zip(asked, said, strict=True):
+        if yes:
+            confirmed.setdefault(ref, []).append(target)
+    return confirmed
+
+
+def _log_bridges(
+    found: narrow.Candidates,
+    decisions: Mapping[str, Decision],
+    bridges: Mapping[str, Sequence[str]],
+) -> None:
+    """The ``v2_bridges`` debug log: each fact, the text it joins and those merged into it."""
+    if log.is_enabled_for(logging.DEBUG):
+        entries = []
+        for ref, targets in bridges.items():
+            question = found.question(ref)
+            entries.append(
+                {
+                    "fact": question.fact.text,
+                    "joins": narrow.candidate_text(question, decisions[ref].target),
+                    "merges": [narrow.candidate_text(question, target) for target in targets],
+                }
+            )
+        log.debug("v2_bridges", bridges=entries)
 
 
 def _log_stale(

@@ -843,6 +843,63 @@ def made_stale(found: Candidates, decisions: Mapping[str, Decision]) -> dict[str
     return stale
 
 
+def bridged(
+    found: Candidates,
+    decisions: Mapping[str, Decision],
+    absorbed: Mapping[str, Sequence[str]],
+) -> dict[str, list[str]]:
+    """The observations each fact may show to be one with the one it joins, by fact ref.
+
+    A fact that restates or updates one of its candidates (``same``/``update``) and has another
+    observation among them may restate that one too: an earlier pass left two wordings of one
+    thing apart ("The farm shop is unstaffed on weekdays and runs on an honesty box" and "From
+    Monday to Friday nobody serves; customers pay into the trust tin by the door", 0.39 apart),
+    and a third wording near both ("Weekday sales in the shop are self-service, paid through
+    the honesty box": 0.63 and 0.53) bridges them. Each such observation is a question (the
+    yes/no question with a model, :func:`locally_linked` without); one it answers yes is merged
+    into the observation the fact joins. Not asked of a change, whose other candidates are
+    :func:`made_stale`'s, nor of what measures another property of the fact, nor of an
+    observation a fact of the pass points at or that ``absorbed`` (by fact ref) already folds."""
+    targeted = {d.target for d in decisions.values() if d.kind != NEW and d.target is not None}
+    claimed = {ref for refs in absorbed.values() for ref in refs}
+    asked: dict[str, list[str]] = {}
+    for question in found.questions:
+        decision = decisions.get(question.fact.ref)
+        if decision is None or decision.kind == NEW or decision.target is None:
+            continue
+        fact = question.fact.text
+        if announces_change(fact):
+            continue
+        for candidate in question.candidates:
+            ref = candidate.ref
+            if (
+                not ref.startswith("o")
+                or ref in targeted
+                or ref in claimed
+                or measures_other(fact, candidate.text)
+            ):
+                continue
+            asked.setdefault(question.fact.ref, []).append(ref)
+            claimed.add(ref)
+    return asked
+
+
+def locally_linked(found: Candidates, ref: str, target: str, options: NarrowOptions) -> bool:
+    """Whether the offline consolidator links fact ``ref`` to candidate ``target``, as
+    :func:`local_decisions` links a fact to the candidate it joins."""
+    question = found.question(ref)
+    text = candidate_text(question, target) or ""
+    if measures_other(question.fact.text, text):
+        return False
+    if ref not in found.by_cosine:
+        return offline.similarity(question.fact.text, text) >= options.local_lexical
+    score = found.nearness.get((ref, target), 0.0)
+    telling = _shared(found, ref, target)
+    return score >= options.local_cosine or (
+        telling >= STRONG_LINK and score >= options.local_pair_cosine
+    )
+
+
 def checked_decisions(found: Candidates, decisions: Mapping[str, Decision]) -> dict[str, Decision]:
     """``decisions`` as the engine applies them: a ``same`` whose candidate does not already
     say all the fact says is an ``update``, so that a change the model took for a restatement

@@ -18,20 +18,19 @@ from bench.quality.judge import shortfalls
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# What a perfect model's decisions over contract v2 leave short on the banks written unseen after
-# the engine's rules (docs/quality.md, "A second unseen bank: smallholding", "A third unseen
-# bank: clinic"): a restatement that shares no telling word with what it restates, and that no
-# rule was fitted to find. "From Monday to Friday nobody serves; customers pay into the trust tin
-# by the door" is 0.39 by MiniLM from the honesty box it restates, below the cosine floor.
-# Without embeddings, nothing else links: "Our layer flock is 11 birds" shares only a count with
-# "We keep eleven laying hens"; "Royal College fees renew on the first of April" shares one stem
-# with the renewal it restates (with MiniLM, 0.45). (A change is shown every observation when it
-# is near nothing but what measures another property of it: docs/quality.md, "A change near only
-# another property".)
+# What a perfect model's decisions over contract v2 leave short without embeddings on the banks
+# written unseen after the engine's rules (docs/quality.md, "A second unseen bank: smallholding",
+# "A third unseen bank: clinic"): a restatement that shares no telling word with what it restates,
+# and that no rule was fitted to find. "From Monday to Friday nobody serves; customers pay into the
+# trust tin by the door" shares nothing with the honesty box it restates; "Royal College fees
+# renew on the first of April" shares one stem with the renewal it restates. With MiniLM a later
+# wording near both bridges the honesty box (docs/quality.md, "Two observations a fact bridges"),
+# and the renewal is a candidate (0.45). (A change is shown every observation when it is near
+# nothing but what measures another property of it: docs/quality.md, "A change near only another
+# property".)
 V2_ORACLE_MISSES = {
-    ("smallholding", "words"): {"hen-flock", "honesty-box"},
-    ("smallholding", "minilm"): {"honesty-box"},
-    ("clinic", "words"): {"rcvs-renewal"},
+    "smallholding": {"honesty-box"},
+    "clinic": {"rcvs-renewal"},
 }
 
 
@@ -57,7 +56,7 @@ def test_the_oracle_run_scores_100_percent_on_every_bank_but_v2s_known_misses(
 ) -> None:
     """The default contract, and v2 without embeddings: its candidates are word stems, and a
     change that shares no word with the old state is shown every observation of the pass. v2
-    falls short on the smallholding bank by exactly its known misses (:data:`V2_ORACLE_MISSES`)."""
+    falls short on two banks by exactly its known misses (:data:`V2_ORACLE_MISSES`)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONSOLIDATION_")}
     command = [sys.executable, "-m", "bench", "quality", "--oracle"]
     command += ["--database-url", pg_admin_url, "--results-dir", str(tmp_path)]
@@ -77,7 +76,7 @@ def test_the_oracle_run_scores_100_percent_on_every_bank_but_v2s_known_misses(
     assert set(results["banks"]) == {b.name for b in load_banks()}
     for name, bank in results["banks"].items():
         judgement = bank["judgement"]
-        missed = V2_ORACLE_MISSES.get((name, "words"), set()) if contract else set()
+        missed = V2_ORACLE_MISSES.get(name, set()) if contract else set()
         _assert_oracle(name, judgement, missed)
         assert judgement["duplicate_labels"] and judgement["state_changes"], name
         assert judgement["hard_negative_pairs"], name
@@ -183,17 +182,15 @@ def test_the_offline_consolidator_with_minilm_embeddings_never_joins_two_subject
         assert judgement["stale_observations"] == 0, name
 
 
-def test_the_v2_oracle_with_minilm_embeddings_scores_100_percent_but_for_known_misses(
+def test_the_v2_oracle_with_minilm_embeddings_scores_100_percent_on_every_bank(
     vector_admin_url: str, tmp_path: Path
 ) -> None:
     """Contract v2's candidates with a real embedding model: a perfect model's decisions come out
     as a perfect set of observations only if every twin and old state is among a fact's
-    candidates (the fake's embeddings are not semantic, so only this model can show it). On the
-    smallholding bank it falls short by exactly its known misses (:data:`V2_ORACLE_MISSES`)."""
-    results = _minilm_run(
-        "--oracle", vector_admin_url, tmp_path, "CONSOLIDATION_LLM_CONTRACT=v2", status=2
-    )
+    candidates, or a later wording bridges two observations left apart (the fake's embeddings
+    are not semantic, so only this model can show it)."""
+    results = _minilm_run("--oracle", vector_admin_url, tmp_path, "CONSOLIDATION_LLM_CONTRACT=v2")
     assert results["client_env"]["CONSOLIDATION_LLM_CONTRACT"] == "v2"
     assert set(results["banks"]) == {b.name for b in load_banks()}
     for name, bank in results["banks"].items():
-        _assert_oracle(name, bank["judgement"], V2_ORACLE_MISSES.get((name, "minilm"), set()))
+        _assert_oracle(name, bank["judgement"], set())

@@ -1285,3 +1285,95 @@ def test_a_change_pointed_at_what_does_not_state_its_old_value_moves_to_the_one_
     found = narrow.pick_candidates(given, None, narrow.NarrowOptions(lexical_floor=0.0))
     picked = Decision("update", "o1")
     assert narrow.onto_old_value(found, "f1", picked) == picked
+
+
+HONESTY_BOX = "The farm shop is unstaffed on weekdays and runs on an honesty box."
+TRUST_TIN = "From Monday to Friday nobody serves; customers pay into the trust tin by the door."
+SELF_SERVICE = "Weekday sales in the shop are self-service, paid through the honesty box."
+
+
+def test_a_fact_that_joins_one_observation_may_bridge_another_of_its_candidates() -> None:
+    found = _near(SELF_SERVICE, {HONESTY_BOX: 0.63, TRUST_TIN: 0.53})
+    assert narrow.bridged(found, {"f1": Decision("update", "o1")}, {}) == {"f1": ["o2"]}
+    assert narrow.bridged(found, {"f1": Decision("same", "o2")}, {}) == {"f1": ["o1"]}
+    assert narrow.bridged(found, {"f1": Decision("new")}, {}) == {}
+    # What a change ends is asked as of the change (made_stale), not again as a bridge.
+    assert narrow.bridged(found, {"f1": Decision("update", "o1")}, {"f1": ["o2"]}) == {}
+
+
+def test_no_bridge_is_asked_of_a_change_or_of_another_property_or_a_picked_observation() -> None:
+    found = _near(MOVED_AWAY, {HOME: 0.51, FLAT: 0.49})
+    assert narrow.bridged(found, {"f1": Decision("update", "o1")}, {}) == {}
+    backups = "Database backups run every night at 02:00 UTC."
+    found = _near(
+        "Database backups are kept for 35 days.", {"Backups go to S3.": 0.6, backups: 0.6}
+    )
+    assert narrow.bridged(found, {"f1": Decision("same", "o1")}, {}) == {}
+    # Two facts of the pass, each pointing at one of the two: neither is bridged away.
+    given = inputs([SELF_SERVICE, TRUST_TIN], [HONESTY_BOX, TRUST_TIN])
+    found = narrow.pick_candidates(given, None, narrow.NarrowOptions(lexical_floor=0.0))
+    decisions = {"f1": Decision("same", "o1"), "f2": Decision("same", "o2")}
+    assert narrow.bridged(found, decisions, {}) == {}
+
+
+async def test_a_bridge_the_yes_no_question_says_yes_to_merges_the_two_observations() -> None:
+    request = _one_fact(SELF_SERVICE, [HONESTY_BOX, TRUST_TIN], "sales")
+    found = narrow.pick_candidates(
+        narrow.pass_inputs(request), None, narrow.NarrowOptions(lexical_floor=0.0)
+    )
+    assert [c.text for c in found.question("f1").candidates] == [HONESTY_BOX, TRUST_TIN]
+    options = narrow.NarrowOptions(lexical_floor=0.0)
+    with FakeLLMServer(FakeLLMConfig(record_messages=True)) as fake:
+        # The honesty box is sure (three telling words); the bridge's question is asked, and
+        # the rewrite of the merged observation is the fake's own answer.
+        fake.control(script=[{"content": '{"same_subject": "yes"}'}])
+        llm = http_llm(fake.url)
+        try:
+            plan = await ask_v2.answer_pass(request, llm.complete, None, options)
+        finally:
+            await llm.aclose()
+        asked = [
+            orjson.loads(next(c for role, c in call["messages"] if role == "user"))
+            for call in fake.stats()["calls"]
+        ]
+    assert [a.get("task") for a in asked] == ["confirm", "rewrite"]
+    assert asked[0]["observation"]["text"] == TRUST_TIN
+    assert asked[1]["observation"]["text"] == f"{HONESTY_BOX} {TRUST_TIN}"
+    (merge,) = plan.merges
+    ids = narrow.pass_inputs(request)
+    assert merge.observation_ids == (ids.observations[0].id, ids.observations[1].id)
+    assert merge.memory_ids == (ids.facts[0].id,)
+    assert plan.creates == () and plan.updates == ()
+
+
+async def test_a_bridge_the_yes_no_question_refuses_leaves_the_other_observation_alone() -> None:
+    request = _one_fact(SELF_SERVICE, [HONESTY_BOX, TRUST_TIN], "sales")
+    options = narrow.NarrowOptions(lexical_floor=0.0)
+    with FakeLLMServer(FakeLLMConfig()) as fake:
+        fake.control(script=[{"content": '{"same_subject": "no"}'}])
+        llm = http_llm(fake.url)
+        try:
+            plan = await ask_v2.answer_pass(request, llm.complete, None, options)
+        finally:
+            await llm.aclose()
+    ids = narrow.pass_inputs(request)
+    assert plan.merges == () and plan.creates == ()
+    assert [u.observation_id for u in plan.updates] == [ids.observations[0].id]
+
+
+async def test_without_a_model_a_bridge_merges_when_the_other_observation_is_linked_too() -> None:
+    request = _one_fact(SELF_SERVICE, [HONESTY_BOX, TRUST_TIN], "sales")
+    vectors = {SELF_SERVICE: [1.0, 0.0, 0.0], HONESTY_BOX: [*_at(0.75), 0.0]}
+
+    async def embed(texts: Sequence[str]) -> list[str | None]:
+        far = [0.72, 0.0, (1 - 0.72**2) ** 0.5]
+        return [orjson.dumps(vectors.get(t, far)).decode() for t in texts]
+
+    plan = await ask_v2.answer_pass(request, None, embed, OPTIONS)
+    ids = narrow.pass_inputs(request)
+    (merge,) = plan.merges
+    assert merge.observation_ids == (ids.observations[0].id, ids.observations[1].id)
+    # Below the offline consolidator's own link, the other observation stays apart.
+    vectors[TRUST_TIN] = [0.45, 0.0, (1 - 0.45**2) ** 0.5]
+    plan = await ask_v2.answer_pass(request, None, embed, OPTIONS)
+    assert plan.merges == ()
