@@ -127,16 +127,19 @@ def _same_or_update(text: str, target: str) -> str:
 def answer_v2(book: LabelBook, request: ChatRequest) -> dict[str, Any]:
     """Contract v2 (docs/architecture.md): ``decide`` picks, per fact, the candidate that
     shares its label (an observation before an earlier fact), ``new`` when none does;
-    ``rewrite`` joins the observation and the facts' own sentences."""
+    ``confirm`` says yes when both texts are of one label alone; ``rewrite`` joins the
+    observation and the facts' own sentences."""
     user = request.user
     bank = str(user.get("bank"))
     if user.get("task") == "rewrite":
         observation = user["observation"]["text"]
         return {"text": compose([observation], [f["text"] for f in user.get("facts") or []])}
     if user.get("task") == "confirm":
-        label = book.fact_label(bank, user["fact"]["text"])
-        labels = book.observation_labels(bank, user["observation"]["text"])  # a fact's: its own
-        same = label is not None and labels == frozenset({label})
+        # The "fact" is a memory's text, or an observation's when two observations are asked of
+        # (a bridge): labels by the memory texts it contains. An observation's: its facts'.
+        asked = book.observation_labels(bank, user["fact"]["text"])
+        labels = book.observation_labels(bank, user["observation"]["text"])
+        same = len(asked) == 1 and labels == asked
         return {"same_subject": "yes" if same else "no"}
     if user.get("task") != "decide":
         raise OracleError(f"unknown v2 task {user.get('task')!r}")

@@ -24,7 +24,6 @@ from consolidation.llm.client import LLMAnswer
 from consolidation.llm.prompts import Chat, PassPlan, PassRequest
 from consolidation.llm.prompts_v2 import (
     NEW,
-    SAME,
     UPDATE,
     Decision,
     Question,
@@ -75,7 +74,7 @@ async def answer_pass(
         _log_stale(found, decisions, stale)
     bridges = narrow.bridged(found, decisions, stale)
     if bridges:
-        bridges = await _confirmed_bridges(complete, inputs, found, bridges, options)
+        bridges = await _confirmed_bridges(complete, inputs, found, decisions, bridges, options)
     if bridges:
         _log_bridges(found, decisions, bridges)
     absorbed = {ref: [*stale.get(ref, ()), *bridges.get(ref, ())] for ref in {*stale, *bridges}}
@@ -253,19 +252,26 @@ async def _confirmed_bridges(
     complete: Complete | None,
     inputs: narrow.PassInputs,
     found: narrow.Candidates,
+    decisions: Mapping[str, Decision],
     bridges: Mapping[str, Sequence[str]],
     options: narrow.NarrowOptions,
 ) -> dict[str, list[str]]:
-    """The observations of ``bridges`` each fact restates too, so that they are one with the
-    observation the fact joins: the yes/no question's yes with a model, else
-    :func:`narrow.locally_linked`."""
+    """The observations of ``bridges`` that are one with the observation each fact joins: with a
+    model, those the yes/no question asked of the two observations says yes to (the fact's own
+    pick may be wrong; the two must be one thing whatever it is); without,
+    :func:`narrow.locally_linked` to the fact, as the offline consolidator links what it joins."""
     asked = [(ref, target) for ref, targets in bridges.items() for target in targets]
     if complete is None:
         said = [narrow.locally_linked(found, ref, target, options) for ref, target in asked]
     else:
         said = await asyncio.gather(
             *(
-                _confirm(complete, inputs, found, ref, Decision(SAME, target))
+                _confirm_pair(
+                    complete,
+                    inputs,
+                    inputs.item(target).shown(),
+                    inputs.item(decisions[ref].target or "").shown(),
+                )
                 for ref, target in asked
             )
         )
@@ -327,8 +333,20 @@ async def _confirm(
 ) -> bool:
     question = found.question(ref)
     target = next(c for c in question.candidates if c.ref == decision.target)
+    return await _confirm_pair(complete, inputs, question.fact, target, of_change=of_change)
+
+
+async def _confirm_pair(
+    complete: Complete,
+    inputs: narrow.PassInputs,
+    fact: Shown,
+    observation: Shown,
+    *,
+    of_change: bool = False,
+) -> bool:
+    """The yes/no question of ``fact`` and ``observation``: True only for a usable yes."""
     chat = confirm_chat(
-        inputs.bank, inputs.scope, inputs.mission, question.fact, target, of_change=of_change
+        inputs.bank, inputs.scope, inputs.mission, fact, observation, of_change=of_change
     )
     try:
         return parse_confirm((await complete(chat)).content)

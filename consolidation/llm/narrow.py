@@ -848,24 +848,25 @@ def bridged(
     decisions: Mapping[str, Decision],
     absorbed: Mapping[str, Sequence[str]],
 ) -> dict[str, list[str]]:
-    """The observations each fact may show to be one with the one it joins, by fact ref.
+    """The observations each fact may show to be one with the observation it joins, by fact ref.
 
-    A fact that restates or updates one of its candidates (``same``/``update``) and has another
-    observation among them may restate that one too: an earlier pass left two wordings of one
+    A fact that restates or updates an observation (``same``/``update``) and has another
+    observation among its candidates may bridge the two: an earlier pass left two wordings of one
     thing apart ("The farm shop is unstaffed on weekdays and runs on an honesty box" and "From
-    Monday to Friday nobody serves; customers pay into the trust tin by the door", 0.39 apart),
-    and a third wording near both ("Weekday sales in the shop are self-service, paid through
-    the honesty box": 0.63 and 0.53) bridges them. Each such observation is a question (the
-    yes/no question with a model, :func:`locally_linked` without); one it answers yes is merged
-    into the observation the fact joins. Not asked of a change, whose other candidates are
-    :func:`made_stale`'s, nor of what measures another property of the fact, nor of an
-    observation a fact of the pass points at or that ``absorbed`` (by fact ref) already folds."""
+    Monday to Friday nobody serves; customers pay into the trust tin by the door", 0.39 apart by
+    MiniLM), and a third wording is near both ("Weekday sales in the shop are self-service, paid
+    through the honesty box": 0.63 and 0.53). Whether the two are one is a question of their own
+    (the yes/no question of the two observations with a model, :func:`locally_linked` of the
+    fact without); one answered yes is merged into the observation the fact joins. Not asked of
+    a change, whose other candidates are :func:`made_stale`'s, nor of what measures another
+    property of the fact, nor of an observation a fact of the pass points at or that
+    ``absorbed`` (by fact ref) already folds."""
     targeted = {d.target for d in decisions.values() if d.kind != NEW and d.target is not None}
     claimed = {ref for refs in absorbed.values() for ref in refs}
     asked: dict[str, list[str]] = {}
     for question in found.questions:
         decision = decisions.get(question.fact.ref)
-        if decision is None or decision.kind == NEW or decision.target is None:
+        if decision is None or decision.kind == NEW or not (decision.target or "").startswith("o"):
             continue
         fact = question.fact.text
         if announces_change(fact):

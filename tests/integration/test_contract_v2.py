@@ -393,3 +393,47 @@ async def test_a_change_that_shares_no_word_with_the_old_state_is_still_asked_ab
     (text,) = await texts_and_sources(pool, "b")
     assert "Globex" in text
     await assert_consistent(pool)
+
+
+HONESTY_BOX = "The farm shop is unstaffed on weekdays and runs on an honesty box."
+TRUST_TIN = "Nobody serves on weekdays; customers pay into the trust tin by the door."
+SELF_SERVICE = "Weekday sales in the shop are self-service, paid through the honesty box."
+
+
+@pytest.mark.parametrize("one_thing", ["yes", "no"])
+async def test_a_fact_near_two_observations_an_earlier_pass_left_apart_merges_them_on_a_yes(
+    pool: asyncpg.Pool, fake: FakeLLMServer, llm: Recorder, one_thing: str
+) -> None:
+    tags = ("sales",)
+    # Word stems are all these wordings share: a low floor makes each the others' candidate.
+    settings = Settings(llm_contract="v2", llm_v2_lexical_floor=0.1)
+    await ingest(pool, "b", [memory(HONESTY_BOX, "01-01", tags)])
+    assert (await consolidate(pool, "b", llm, settings)).status == "completed"
+    # The model calls the second wording new: two observations of one thing.
+    fake.control(script=[{"content": '{"f1": "new"}'}])
+    await ingest(pool, "b", [memory(TRUST_TIN, "02-01", tags)])
+    assert (await consolidate(pool, "b", llm, settings)).status == "completed"
+    assert len(await texts_and_sources(pool, "b")) == 2
+    llm.requests.clear()
+    # The third is sure of the honesty box (three telling words); the trust tin is its other
+    # candidate, and the two observations are asked about together.
+    fake.control(script=[{"content": orjson.dumps({"same_subject": one_thing}).decode()}])
+    await ingest(pool, "b", [memory(SELF_SERVICE, "03-01", tags)])
+    end = await consolidate(pool, "b", llm, settings)
+    assert end.status == "completed", end.error
+    asked = llm.requests[0][0]
+    assert asked["task"] == "confirm"
+    assert (asked["fact"]["text"], asked["observation"]["text"]) == (TRUST_TIN, HONESTY_BOX)
+    observations = await texts_and_sources(pool, "b")
+    if one_thing == "yes":
+        (sources,) = observations.values()
+        assert sources == {HONESTY_BOX, TRUST_TIN, SELF_SERVICE}
+        # The trust tin's text is kept in its history, merged away into the honesty box.
+        away = await pool.fetch(
+            "SELECT previous_text FROM observation_history WHERE action = 'merged_away'"
+        )
+        assert [r["previous_text"] for r in away] == [TRUST_TIN]
+    else:
+        assert len(observations) == 2
+        assert observations[TRUST_TIN] == {TRUST_TIN}
+    await assert_consistent(pool)

@@ -1336,8 +1336,9 @@ async def test_a_bridge_the_yes_no_question_says_yes_to_merges_the_two_observati
             orjson.loads(next(c for role, c in call["messages"] if role == "user"))
             for call in fake.stats()["calls"]
         ]
+    # The question is of the two observations: whether they are one thing.
     assert [a.get("task") for a in asked] == ["confirm", "rewrite"]
-    assert asked[0]["observation"]["text"] == TRUST_TIN
+    assert (asked[0]["fact"]["text"], asked[0]["observation"]["text"]) == (TRUST_TIN, HONESTY_BOX)
     assert asked[1]["observation"]["text"] == f"{HONESTY_BOX} {TRUST_TIN}"
     (merge,) = plan.merges
     ids = narrow.pass_inputs(request)
