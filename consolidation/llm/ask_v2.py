@@ -24,6 +24,7 @@ from consolidation.llm.client import LLMAnswer
 from consolidation.llm.prompts import Chat, PassPlan, PassRequest
 from consolidation.llm.prompts_v2 import (
     NEW,
+    SAME,
     UPDATE,
     Decision,
     Question,
@@ -256,22 +257,22 @@ async def _confirmed_bridges(
     bridges: Mapping[str, Sequence[str]],
     options: narrow.NarrowOptions,
 ) -> dict[str, list[str]]:
-    """The observations of ``bridges`` that are one with the observation each fact joins: with a
-    model, those the yes/no question asked of the two observations says yes to (the fact's own
-    pick may be wrong; the two must be one thing whatever it is); without,
-    :func:`narrow.locally_linked` to the fact, as the offline consolidator links what it joins."""
+    """The observations of ``bridges`` that are one with the observation each fact joins.
+
+    With a model, two yes/no questions must say yes: the fact's of the other observation, then
+    the other's of the joined one. Each alone says yes where the two are aspects of one project
+    ("The Atlas code lives in the internal GitLab" of "The Atlas backend is written in Go", or
+    "Maria leads design work on the Atlas backend, budget planning and Tuesday meetings" of the
+    budget), and the 1.5B model says no to one of the two there (docs/quality.md, "Two
+    observations a fact bridges"). Without a model, the other must be linked to the fact as the
+    offline consolidator links what it joins (:func:`narrow.locally_linked`)."""
     asked = [(ref, target) for ref, targets in bridges.items() for target in targets]
     if complete is None:
         said = [narrow.locally_linked(found, ref, target, options) for ref, target in asked]
     else:
         said = await asyncio.gather(
             *(
-                _confirm_pair(
-                    complete,
-                    inputs,
-                    inputs.item(target).shown(),
-                    inputs.item(decisions[ref].target or "").shown(),
-                )
+                _bridge(complete, inputs, found, decisions[ref], ref, target)
                 for ref, target in asked
             )
         )
@@ -280,6 +281,22 @@ async def _confirmed_bridges(
         if yes:
             confirmed.setdefault(ref, []).append(target)
     return confirmed
+
+
+async def _bridge(
+    complete: Complete,
+    inputs: narrow.PassInputs,
+    found: narrow.Candidates,
+    decision: Decision,
+    ref: str,
+    other: str,
+) -> bool:
+    """Whether fact ``ref`` restates observation ``other`` and ``other`` is the same thing as
+    the observation the fact joins (``decision``'s): the second is asked only after a yes."""
+    if not await _confirm(complete, inputs, found, ref, Decision(SAME, other)):
+        return False
+    joined = inputs.item(decision.target or "").shown()
+    return await _confirm_pair(complete, inputs, inputs.item(other).shown(), joined)
 
 
 def _log_bridges(

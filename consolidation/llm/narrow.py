@@ -856,8 +856,9 @@ def bridged(
     Monday to Friday nobody serves; customers pay into the trust tin by the door", 0.39 apart by
     MiniLM), and a third wording is near both ("Weekday sales in the shop are self-service, paid
     through the honesty box": 0.63 and 0.53). Whether the two are one is a question of their own
-    (the yes/no question of the two observations with a model, :func:`locally_linked` of the
-    fact without); one answered yes is merged into the observation the fact joins. Not asked of
+    (with a model, the yes/no question of the fact and the other observation, then of the two
+    observations; :func:`locally_linked` of the fact without); one answered yes is merged into
+    the observation the fact joins. Not asked of
     a change, whose other candidates are :func:`made_stale`'s, nor of what measures another
     property of the fact, nor of an observation a fact of the pass points at or that
     ``absorbed`` (by fact ref) already folds."""

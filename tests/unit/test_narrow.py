@@ -1316,7 +1316,7 @@ def test_no_bridge_is_asked_of_a_change_or_of_another_property_or_a_picked_obser
     assert narrow.bridged(found, decisions, {}) == {}
 
 
-async def test_a_bridge_the_yes_no_question_says_yes_to_merges_the_two_observations() -> None:
+async def test_a_bridge_both_yes_no_questions_say_yes_to_merges_the_two_observations() -> None:
     request = _one_fact(SELF_SERVICE, [HONESTY_BOX, TRUST_TIN], "sales")
     found = narrow.pick_candidates(
         narrow.pass_inputs(request), None, narrow.NarrowOptions(lexical_floor=0.0)
@@ -1324,9 +1324,10 @@ async def test_a_bridge_the_yes_no_question_says_yes_to_merges_the_two_observati
     assert [c.text for c in found.question("f1").candidates] == [HONESTY_BOX, TRUST_TIN]
     options = narrow.NarrowOptions(lexical_floor=0.0)
     with FakeLLMServer(FakeLLMConfig(record_messages=True)) as fake:
-        # The honesty box is sure (three telling words); the bridge's question is asked, and
-        # the rewrite of the merged observation is the fake's own answer.
-        fake.control(script=[{"content": '{"same_subject": "yes"}'}])
+        # The honesty box is sure (three telling words); the bridge's two questions are asked,
+        # and the rewrite of the merged observation is the fake's own answer.
+        yes = {"content": '{"same_subject": "yes"}'}
+        fake.control(script=[yes, yes])
         llm = http_llm(fake.url)
         try:
             plan = await ask_v2.answer_pass(request, llm.complete, None, options)
@@ -1336,10 +1337,11 @@ async def test_a_bridge_the_yes_no_question_says_yes_to_merges_the_two_observati
             orjson.loads(next(c for role, c in call["messages"] if role == "user"))
             for call in fake.stats()["calls"]
         ]
-    # The question is of the two observations: whether they are one thing.
-    assert [a.get("task") for a in asked] == ["confirm", "rewrite"]
-    assert (asked[0]["fact"]["text"], asked[0]["observation"]["text"]) == (TRUST_TIN, HONESTY_BOX)
-    assert asked[1]["observation"]["text"] == f"{HONESTY_BOX} {TRUST_TIN}"
+    # The fact of the other observation, then the two observations: whether they are one.
+    assert [a.get("task") for a in asked] == ["confirm", "confirm", "rewrite"]
+    pairs = [(a["fact"]["text"], a["observation"]["text"]) for a in asked[:2]]
+    assert pairs == [(SELF_SERVICE, TRUST_TIN), (TRUST_TIN, HONESTY_BOX)]
+    assert asked[2]["observation"]["text"] == f"{HONESTY_BOX} {TRUST_TIN}"
     (merge,) = plan.merges
     ids = narrow.pass_inputs(request)
     assert merge.observation_ids == (ids.observations[0].id, ids.observations[1].id)
@@ -1347,11 +1349,15 @@ async def test_a_bridge_the_yes_no_question_says_yes_to_merges_the_two_observati
     assert plan.creates == () and plan.updates == ()
 
 
-async def test_a_bridge_the_yes_no_question_refuses_leaves_the_other_observation_alone() -> None:
+@pytest.mark.parametrize("answers", [["no"], ["yes", "no"]])
+async def test_a_bridge_either_question_refuses_leaves_the_other_observation_alone(
+    answers: list[str],
+) -> None:
     request = _one_fact(SELF_SERVICE, [HONESTY_BOX, TRUST_TIN], "sales")
     options = narrow.NarrowOptions(lexical_floor=0.0)
     with FakeLLMServer(FakeLLMConfig()) as fake:
-        fake.control(script=[{"content": '{"same_subject": "no"}'}])
+        script = [{"content": orjson.dumps({"same_subject": a}).decode()} for a in answers]
+        fake.control(script=script)
         llm = http_llm(fake.url)
         try:
             plan = await ask_v2.answer_pass(request, llm.complete, None, options)
