@@ -73,7 +73,7 @@ async def answer_pass(
         stale = await _confirmed_stale(complete, inputs, found, stale)
     if stale:
         _log_stale(found, decisions, stale)
-    bridges = narrow.bridged(found, decisions, stale)
+    bridges = narrow.bridged(found, decisions, stale, options)
     if bridges:
         bridges = await _confirmed_bridges(complete, inputs, found, decisions, bridges, options)
     if bridges:

@@ -77,6 +77,11 @@ class NarrowOptions:
     local_lexical: float = offline.SIMILARITY_THRESHOLD  # without embeddings
     # ... and at least this near, a restatement in other words: cited, its text kept.
     local_same_cosine: float = 0.9
+    # A fact bridges two observations (:func:`bridged`) only from this near the other one: a
+    # merge joins all both say, and a model that says yes too readily (the 0.5B) merged the
+    # frequent flyer programme with the travel insurance and the deploy days with the backups'
+    # schedule at 0.41; the trust tin a wording of the honesty box bridges is at 0.53.
+    bridge_cosine: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -847,6 +852,7 @@ def bridged(
     found: Candidates,
     decisions: Mapping[str, Decision],
     absorbed: Mapping[str, Sequence[str]],
+    options: NarrowOptions,
 ) -> dict[str, list[str]]:
     """The observations each fact may show to be one with the observation it joins, by fact ref.
 
@@ -861,7 +867,8 @@ def bridged(
     the observation the fact joins. Not asked of
     a change, whose other candidates are :func:`made_stale`'s, nor of what measures another
     property of the fact, nor of an observation a fact of the pass points at or that
-    ``absorbed`` (by fact ref) already folds."""
+    ``absorbed`` (by fact ref) already folds; with embeddings, nor of one further from the fact
+    than ``options.bridge_cosine``."""
     targeted = {d.target for d in decisions.values() if d.kind != NEW and d.target is not None}
     claimed = {ref for refs in absorbed.values() for ref in refs}
     asked: dict[str, list[str]] = {}
@@ -874,10 +881,15 @@ def bridged(
             continue
         for candidate in question.candidates:
             ref = candidate.ref
+            far = (
+                question.fact.ref in found.by_cosine
+                and found.nearness.get((question.fact.ref, ref), 0.0) < options.bridge_cosine
+            )
             if (
                 not ref.startswith("o")
                 or ref in targeted
                 or ref in claimed
+                or far
                 or measures_other(fact, candidate.text)
             ):
                 continue

@@ -1294,26 +1294,39 @@ SELF_SERVICE = "Weekday sales in the shop are self-service, paid through the hon
 
 def test_a_fact_that_joins_one_observation_may_bridge_another_of_its_candidates() -> None:
     found = _near(SELF_SERVICE, {HONESTY_BOX: 0.63, TRUST_TIN: 0.53})
-    assert narrow.bridged(found, {"f1": Decision("update", "o1")}, {}) == {"f1": ["o2"]}
-    assert narrow.bridged(found, {"f1": Decision("same", "o2")}, {}) == {"f1": ["o1"]}
-    assert narrow.bridged(found, {"f1": Decision("new")}, {}) == {}
+    assert narrow.bridged(found, {"f1": Decision("update", "o1")}, {}, OPTIONS) == {"f1": ["o2"]}
+    assert narrow.bridged(found, {"f1": Decision("same", "o2")}, {}, OPTIONS) == {"f1": ["o1"]}
+    assert narrow.bridged(found, {"f1": Decision("new")}, {}, OPTIONS) == {}
     # What a change ends is asked as of the change (made_stale), not again as a bridge.
-    assert narrow.bridged(found, {"f1": Decision("update", "o1")}, {"f1": ["o2"]}) == {}
+    assert narrow.bridged(found, {"f1": Decision("update", "o1")}, {"f1": ["o2"]}, OPTIONS) == {}
+
+
+def test_with_embeddings_a_bridge_is_asked_only_of_an_observation_near_the_fact() -> None:
+    # The 0.5B model says yes to both questions of the travel insurance for the frequent flyer
+    # programme (0.41 by MiniLM): a candidate, but no wording of the same thing.
+    miles = "I collect miles with Lufthansa Miles & More."
+    insurance = "Our annual travel insurance is with Allianz."
+    found = _near(
+        "My frequent flyer programme is Lufthansa Miles & More.", {miles: 0.8, insurance: 0.41}
+    )
+    assert narrow.bridged(found, {"f1": Decision("same", "o1")}, {}, OPTIONS) == {}
+    near = narrow.NarrowOptions(bridge_cosine=0.4)
+    assert narrow.bridged(found, {"f1": Decision("same", "o1")}, {}, near) == {"f1": ["o2"]}
 
 
 def test_no_bridge_is_asked_of_a_change_or_of_another_property_or_a_picked_observation() -> None:
     found = _near(MOVED_AWAY, {HOME: 0.51, FLAT: 0.49})
-    assert narrow.bridged(found, {"f1": Decision("update", "o1")}, {}) == {}
+    assert narrow.bridged(found, {"f1": Decision("update", "o1")}, {}, OPTIONS) == {}
     backups = "Database backups run every night at 02:00 UTC."
     found = _near(
         "Database backups are kept for 35 days.", {"Backups go to S3.": 0.6, backups: 0.6}
     )
-    assert narrow.bridged(found, {"f1": Decision("same", "o1")}, {}) == {}
+    assert narrow.bridged(found, {"f1": Decision("same", "o1")}, {}, OPTIONS) == {}
     # Two facts of the pass, each pointing at one of the two: neither is bridged away.
     given = inputs([SELF_SERVICE, TRUST_TIN], [HONESTY_BOX, TRUST_TIN])
     found = narrow.pick_candidates(given, None, narrow.NarrowOptions(lexical_floor=0.0))
     decisions = {"f1": Decision("same", "o1"), "f2": Decision("same", "o2")}
-    assert narrow.bridged(found, decisions, {}) == {}
+    assert narrow.bridged(found, decisions, {}, OPTIONS) == {}
 
 
 async def test_a_bridge_both_yes_no_questions_say_yes_to_merges_the_two_observations() -> None:
