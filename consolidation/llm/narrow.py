@@ -861,14 +861,16 @@ def bridged(
     thing apart ("The farm shop is unstaffed on weekdays and runs on an honesty box" and "From
     Monday to Friday nobody serves; customers pay into the trust tin by the door", 0.39 apart by
     MiniLM), and a third wording is near both ("Weekday sales in the shop are self-service, paid
-    through the honesty box": 0.63 and 0.53). Whether the two are one is a question of their own
-    (with a model, the yes/no question of the fact and the other observation, then of the two
-    observations; :func:`locally_linked` of the fact without); one answered yes is merged into
-    the observation the fact joins. Not asked of
-    a change, whose other candidates are :func:`made_stale`'s, nor of what measures another
-    property of the fact, nor of an observation a fact of the pass points at or that
-    ``absorbed`` (by fact ref) already folds; with embeddings, nor of one further from the fact
-    than ``options.bridge_cosine``."""
+    through the honesty box": 0.63 and 0.53). Whether the two are one is a question of their
+    own: with a model, the yes/no question of the fact and the other observation, then of the
+    two observations; without one, :func:`locally_linked` of the fact. One answered yes is
+    merged into the observation the fact joins. Not asked of a change, whose other candidates
+    are :func:`made_stale`'s, nor of what measures another property of the fact, nor of an
+    observation a fact of the pass points at or that ``absorbed`` (by fact ref) already folds,
+    nor of one further from the fact than ``options.bridge_cosine``. Without embeddings none
+    is asked: word stems link many weak candidates, and the 0.5B model said yes to both
+    questions of enough of them to mix one observation more on five banks of six
+    (docs/quality.md, "Two observations a fact bridges")."""
     targeted = {d.target for d in decisions.values() if d.kind != NEW and d.target is not None}
     claimed = {ref for refs in absorbed.values() for ref in refs}
     asked: dict[str, list[str]] = {}
@@ -882,8 +884,8 @@ def bridged(
         for candidate in question.candidates:
             ref = candidate.ref
             far = (
-                question.fact.ref in found.by_cosine
-                and found.nearness.get((question.fact.ref, ref), 0.0) < options.bridge_cosine
+                question.fact.ref not in found.by_cosine
+                or found.nearness.get((question.fact.ref, ref), 0.0) < options.bridge_cosine
             )
             if (
                 not ref.startswith("o")
@@ -899,14 +901,11 @@ def bridged(
 
 
 def locally_linked(found: Candidates, ref: str, target: str, options: NarrowOptions) -> bool:
-    """Whether the offline consolidator links fact ``ref`` to candidate ``target``, as
-    :func:`local_decisions` links a fact to the candidate it joins."""
+    """Whether the offline consolidator links fact ``ref`` to candidate ``target`` by their
+    cosine, as :func:`local_decisions` links a fact to the candidate it joins."""
     question = found.question(ref)
-    text = candidate_text(question, target) or ""
-    if measures_other(question.fact.text, text):
+    if measures_other(question.fact.text, candidate_text(question, target) or ""):
         return False
-    if ref not in found.by_cosine:
-        return offline.similarity(question.fact.text, text) >= options.local_lexical
     score = found.nearness.get((ref, target), 0.0)
     telling = _shared(found, ref, target)
     return score >= options.local_cosine or (

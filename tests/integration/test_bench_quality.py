@@ -20,16 +20,17 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # What a perfect model's decisions over contract v2 leave short without embeddings on the banks
 # written unseen after the engine's rules (docs/quality.md, "A second unseen bank: smallholding",
-# "A third unseen bank: clinic"): a restatement that shares no telling word with what it restates,
-# and that no rule was fitted to find. "From Monday to Friday nobody serves; customers pay into the
-# trust tin by the door" shares nothing with the honesty box it restates; "Royal College fees
-# renew on the first of April" shares one stem with the renewal it restates. With MiniLM a later
-# wording near both bridges the honesty box (docs/quality.md, "Two observations a fact bridges"),
-# and the renewal is a candidate (0.45). (A change is shown every observation when it is near
-# nothing but what measures another property of it: docs/quality.md, "A change near only another
-# property".)
+# "A third unseen bank: clinic"): restatements that share no telling word with what they restate,
+# and that no rule was fitted to find. "Our layer flock is 11 birds" shares only a count with "We
+# keep eleven laying hens"; "From Monday to Friday nobody serves; customers pay into the trust tin
+# by the door" nothing with the honesty box; "Royal College fees renew on the first of April" one
+# stem with the renewal it restates. With MiniLM the renewal is a candidate (0.45) and a later
+# wording near both bridges the honesty box's two (docs/quality.md, "Two observations a fact
+# bridges"); without embeddings no bridge is asked. (A change is shown every observation when it
+# is near nothing but what measures another property of it: docs/quality.md, "A change near only
+# another property".)
 V2_ORACLE_MISSES = {
-    "smallholding": {"honesty-box"},
+    "smallholding": {"hen-flock", "honesty-box"},
     "clinic": {"rcvs-renewal"},
 }
 

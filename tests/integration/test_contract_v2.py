@@ -397,45 +397,55 @@ async def test_a_change_that_shares_no_word_with_the_old_state_is_still_asked_ab
 
 HONESTY_BOX = "The farm shop is unstaffed on weekdays and runs on an honesty box."
 TRUST_TIN = "Nobody serves on weekdays; customers pay into the trust tin by the door."
-SELF_SERVICE = "Weekday sales in the shop are self-service, paid through the honesty box."
+# The fake's vectors put this 0.63 of the honesty box and 0.62 of the trust tin, which are 0.10
+# apart (a candidate of neither).
+BOTH = "On weekdays the shop is unstaffed; customers pay into the honesty box or the trust tin."
+
+
+async def consolidate_v2(pool: asyncpg.Pool, llm: Recorder, embedder: HTTPEmbedder) -> None:
+    """One operation of bank ``b`` over contract v2 with the fake's embeddings, to the end."""
+    from consolidation import queue
+    from consolidation.engine import run_operation
+
+    lease = await queue.start_foreground(pool, "b", "test-worker", 30)
+    end = await run_operation(pool, lease, llm, V2, embedder=embedder)
+    assert end.status == "completed", end.error
 
 
 @pytest.mark.parametrize("one_thing", ["yes", "no"])
 async def test_a_fact_near_two_observations_an_earlier_pass_left_apart_merges_them_on_a_yes(
-    pool: asyncpg.Pool, fake: FakeLLMServer, llm: Recorder, one_thing: str
+    vector_pool: asyncpg.Pool,
+    fake: FakeLLMServer,
+    llm: Recorder,
+    embedder: HTTPEmbedder,
+    one_thing: str,
 ) -> None:
     tags = ("sales",)
-    # Word stems are all these wordings share: a low floor makes each the others' candidate.
-    settings = Settings(llm_contract="v2", llm_v2_lexical_floor=0.1)
-    await ingest(pool, "b", [memory(HONESTY_BOX, "01-01", tags)])
-    assert (await consolidate(pool, "b", llm, settings)).status == "completed"
-    # The model calls the second wording new: two observations of one thing.
-    fake.control(script=[{"content": '{"f1": "new"}'}])
-    await ingest(pool, "b", [memory(TRUST_TIN, "02-01", tags)])
-    assert (await consolidate(pool, "b", llm, settings)).status == "completed"
-    assert len(await texts_and_sources(pool, "b")) == 2
-    llm.requests.clear()
-    # The third is sure of the honesty box (three telling words); the trust tin is its other
-    # candidate: the fact is asked of it, then the two observations together.
+    for text, day in ((HONESTY_BOX, "01-01"), (TRUST_TIN, "02-01")):
+        await ingest(vector_pool, "b", [memory(text, day, tags)])
+        await consolidate_v2(vector_pool, llm, embedder)
+    assert len(await texts_and_sources(vector_pool, "b")) == 2
+    assert llm.requests == []  # each was near nothing: new without a call
+    # The third is near both, and sure of the honesty box (three telling words at 0.63): the
+    # fact is asked of the trust tin, and after a yes the two observations together.
     answer = {"content": orjson.dumps({"same_subject": one_thing}).decode()}
-    fake.control(script=[answer, answer])
-    await ingest(pool, "b", [memory(SELF_SERVICE, "03-01", tags)])
-    end = await consolidate(pool, "b", llm, settings)
-    assert end.status == "completed", end.error
+    fake.control(script=[answer, answer] if one_thing == "yes" else [answer])
+    await ingest(vector_pool, "b", [memory(BOTH, "03-01", tags)])
+    await consolidate_v2(vector_pool, llm, embedder)
     asked = [user for user, _ in llm.requests if user.get("task") == "confirm"]
     pairs = [(a["fact"]["text"], a["observation"]["text"]) for a in asked]
-    expected = [(SELF_SERVICE, TRUST_TIN), (TRUST_TIN, HONESTY_BOX)]
+    expected = [(BOTH, TRUST_TIN), (TRUST_TIN, HONESTY_BOX)]
     assert pairs == (expected if one_thing == "yes" else expected[:1])
-    observations = await texts_and_sources(pool, "b")
+    observations = await texts_and_sources(vector_pool, "b")
     if one_thing == "yes":
         (sources,) = observations.values()
-        assert sources == {HONESTY_BOX, TRUST_TIN, SELF_SERVICE}
+        assert sources == {HONESTY_BOX, TRUST_TIN, BOTH}
         # The trust tin's text is kept in its history, merged away into the honesty box.
-        away = await pool.fetch(
+        away = await vector_pool.fetch(
             "SELECT previous_text FROM observation_history WHERE action = 'merged_away'"
         )
         assert [r["previous_text"] for r in away] == [TRUST_TIN]
     else:
         assert len(observations) == 2
         assert observations[TRUST_TIN] == {TRUST_TIN}
-    await assert_consistent(pool)
+    await assert_consistent(vector_pool)

@@ -1324,26 +1324,41 @@ def test_no_bridge_is_asked_of_a_change_or_of_another_property_or_a_picked_obser
     assert narrow.bridged(found, {"f1": Decision("same", "o1")}, {}, OPTIONS) == {}
     # Two facts of the pass, each pointing at one of the two: neither is bridged away.
     given = inputs([SELF_SERVICE, TRUST_TIN], [HONESTY_BOX, TRUST_TIN])
-    found = narrow.pick_candidates(given, None, narrow.NarrowOptions(lexical_floor=0.0))
+    found = narrow.pick_candidates(given, _SALES_VECTORS, narrow.NarrowOptions(cosine_floor=0.0))
     decisions = {"f1": Decision("same", "o1"), "f2": Decision("same", "o2")}
     assert narrow.bridged(found, decisions, {}, OPTIONS) == {}
+    assert narrow.bridged(found, {"f1": Decision("same", "o1")}, {}, OPTIONS) == {"f1": ["o2"]}
+
+
+def test_without_embeddings_no_bridge_is_asked() -> None:
+    given = inputs([SELF_SERVICE], [HONESTY_BOX, TRUST_TIN])
+    found = narrow.pick_candidates(given, None, narrow.NarrowOptions(lexical_floor=0.0))
+    assert [c.text for c in found.question("f1").candidates] == [HONESTY_BOX, TRUST_TIN]
+    assert narrow.bridged(found, {"f1": Decision("same", "o1")}, {}, OPTIONS) == {}
+
+
+# The honesty box sure of the third wording (cosine 0.85), the trust tin 0.55 from it.
+_SALES_VECTORS = {
+    SELF_SERVICE: [1.0, 0.0, 0.0],
+    HONESTY_BOX: [*_at(0.85), 0.0],
+    TRUST_TIN: [0.55, 0.0, (1 - 0.55**2) ** 0.5],
+}
+
+
+async def _sales_embed(texts: Sequence[str]) -> list[str | None]:
+    return [orjson.dumps(_SALES_VECTORS[t]).decode() for t in texts]
 
 
 async def test_a_bridge_both_yes_no_questions_say_yes_to_merges_the_two_observations() -> None:
     request = _one_fact(SELF_SERVICE, [HONESTY_BOX, TRUST_TIN], "sales")
-    found = narrow.pick_candidates(
-        narrow.pass_inputs(request), None, narrow.NarrowOptions(lexical_floor=0.0)
-    )
-    assert [c.text for c in found.question("f1").candidates] == [HONESTY_BOX, TRUST_TIN]
-    options = narrow.NarrowOptions(lexical_floor=0.0)
     with FakeLLMServer(FakeLLMConfig(record_messages=True)) as fake:
-        # The honesty box is sure (three telling words); the bridge's two questions are asked,
-        # and the rewrite of the merged observation is the fake's own answer.
+        # The honesty box is sure (0.85); the bridge's two questions are asked, and the
+        # rewrite of the merged observation is the fake's own answer.
         yes = {"content": '{"same_subject": "yes"}'}
         fake.control(script=[yes, yes])
         llm = http_llm(fake.url)
         try:
-            plan = await ask_v2.answer_pass(request, llm.complete, None, options)
+            plan = await ask_v2.answer_pass(request, llm.complete, _sales_embed, OPTIONS)
         finally:
             await llm.aclose()
         asked = [
@@ -1367,15 +1382,15 @@ async def test_a_bridge_either_question_refuses_leaves_the_other_observation_alo
     answers: list[str],
 ) -> None:
     request = _one_fact(SELF_SERVICE, [HONESTY_BOX, TRUST_TIN], "sales")
-    options = narrow.NarrowOptions(lexical_floor=0.0)
     with FakeLLMServer(FakeLLMConfig()) as fake:
         script = [{"content": orjson.dumps({"same_subject": a}).decode()} for a in answers]
         fake.control(script=script)
         llm = http_llm(fake.url)
         try:
-            plan = await ask_v2.answer_pass(request, llm.complete, None, options)
+            plan = await ask_v2.answer_pass(request, llm.complete, _sales_embed, OPTIONS)
         finally:
             await llm.aclose()
+        assert fake.stats()["script_pending"] == 0
     ids = narrow.pass_inputs(request)
     assert plan.merges == () and plan.creates == ()
     assert [u.observation_id for u in plan.updates] == [ids.observations[0].id]
