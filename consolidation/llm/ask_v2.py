@@ -242,11 +242,7 @@ async def _confirmed_stale(
             for ref, target in asked
         )
     )
-    confirmed: dict[str, list[str]] = {}
-    for (ref, target), yes in zip(asked, said, strict=True):
-        if yes:
-            confirmed.setdefault(ref, []).append(target)
-    return confirmed
+    return _said_yes(asked, said)
 
 
 async def _confirmed_bridges(
@@ -276,6 +272,12 @@ async def _confirmed_bridges(
                 for ref, target in asked
             )
         )
+    return _said_yes(asked, said)
+
+
+def _said_yes(asked: Sequence[tuple[str, str]], said: Sequence[bool]) -> dict[str, list[str]]:
+    """The targets of ``asked`` (fact ref, observation ref) whose answer in ``said`` is yes,
+    by fact."""
     confirmed: dict[str, list[str]] = {}
     for (ref, target), yes in zip(asked, said, strict=True):
         if yes:
@@ -305,18 +307,7 @@ def _log_bridges(
     bridges: Mapping[str, Sequence[str]],
 ) -> None:
     """The ``v2_bridges`` debug log: each fact, the text it joins and those merged into it."""
-    if log.is_enabled_for(logging.DEBUG):
-        entries = []
-        for ref, targets in bridges.items():
-            question = found.question(ref)
-            entries.append(
-                {
-                    "fact": question.fact.text,
-                    "joins": narrow.candidate_text(question, decisions[ref].target),
-                    "merges": [narrow.candidate_text(question, target) for target in targets],
-                }
-            )
-        log.debug("v2_bridges", bridges=entries)
+    _log_folded("v2_bridges", "bridges", ("joins", "merges"), found, decisions, bridges)
 
 
 def _log_stale(
@@ -325,18 +316,31 @@ def _log_stale(
     stale: Mapping[str, Sequence[str]],
 ) -> None:
     """The ``v2_stale`` debug log: each change, what it updates and what it ends beside."""
+    _log_folded("v2_stale", "changes", ("updates", "ends"), found, decisions, stale)
+
+
+def _log_folded(
+    event: str,
+    field: str,
+    keys: tuple[str, str],
+    found: narrow.Candidates,
+    decisions: Mapping[str, Decision],
+    folded: Mapping[str, Sequence[str]],
+) -> None:
+    """A debug log of facts whose group takes other observations: each fact's text, the text
+    of the observation it targets (``keys[0]``) and those folded in beside it (``keys[1]``)."""
     if log.is_enabled_for(logging.DEBUG):
         entries = []
-        for ref, targets in stale.items():
+        for ref, targets in folded.items():
             question = found.question(ref)
             entries.append(
                 {
                     "fact": question.fact.text,
-                    "updates": narrow.candidate_text(question, decisions[ref].target),
-                    "ends": [narrow.candidate_text(question, target) for target in targets],
+                    keys[0]: narrow.candidate_text(question, decisions[ref].target),
+                    keys[1]: [narrow.candidate_text(question, target) for target in targets],
                 }
             )
-        log.debug("v2_stale", changes=entries)
+        log.debug(event, **{field: entries})
 
 
 async def _confirm(

@@ -10,6 +10,7 @@ from datetime import UTC, datetime
 import httpx
 import orjson
 import pytest
+import structlog.testing
 
 from consolidation.errors import InvalidLLMOutput
 from consolidation.llm import ask_v2, narrow
@@ -901,14 +902,16 @@ def _one_fact(fact: str, observations: Sequence[str], scope: str) -> PassRequest
     )
 
 
-async def _answered(request: PassRequest, script: list[dict[str, str]]) -> tuple[PassPlan, int]:
+async def _answered(
+    request: PassRequest, script: list[dict[str, str]], embed: ask_v2.Embed | None = None
+) -> tuple[PassPlan, int]:
     """The plan of ``request`` with the fake LLM answering ``script``, and how many requests
     reached it."""
     with FakeLLMServer(FakeLLMConfig()) as fake:
         fake.control(script=script)
         llm = http_llm(fake.url)
         try:
-            plan = await ask_v2.answer_pass(request, llm.complete, None, OPTIONS)
+            plan = await ask_v2.answer_pass(request, llm.complete, embed, OPTIONS)
         finally:
             await llm.aclose()
         return plan, fake.stats()["requests"]
@@ -1358,7 +1361,8 @@ async def test_a_bridge_both_yes_no_questions_say_yes_to_merges_the_two_observat
         fake.control(script=[yes, yes])
         llm = http_llm(fake.url)
         try:
-            plan = await ask_v2.answer_pass(request, llm.complete, _sales_embed, OPTIONS)
+            with structlog.testing.capture_logs() as logs:
+                plan = await ask_v2.answer_pass(request, llm.complete, _sales_embed, OPTIONS)
         finally:
             await llm.aclose()
         asked = [
@@ -1375,6 +1379,10 @@ async def test_a_bridge_both_yes_no_questions_say_yes_to_merges_the_two_observat
     assert merge.observation_ids == (ids.observations[0].id, ids.observations[1].id)
     assert merge.memory_ids == (ids.facts[0].id,)
     assert plan.creates == () and plan.updates == ()
+    (logged,) = [e for e in logs if e["event"] == "v2_bridges"]
+    assert logged["bridges"] == [
+        {"fact": SELF_SERVICE, "joins": HONESTY_BOX, "merges": [TRUST_TIN]}
+    ]
 
 
 @pytest.mark.parametrize("answers", [["no"], ["yes", "no"]])
@@ -1382,15 +1390,9 @@ async def test_a_bridge_either_question_refuses_leaves_the_other_observation_alo
     answers: list[str],
 ) -> None:
     request = _one_fact(SELF_SERVICE, [HONESTY_BOX, TRUST_TIN], "sales")
-    with FakeLLMServer(FakeLLMConfig()) as fake:
-        script = [{"content": orjson.dumps({"same_subject": a}).decode()} for a in answers]
-        fake.control(script=script)
-        llm = http_llm(fake.url)
-        try:
-            plan = await ask_v2.answer_pass(request, llm.complete, _sales_embed, OPTIONS)
-        finally:
-            await llm.aclose()
-        assert fake.stats()["script_pending"] == 0
+    script = [{"content": orjson.dumps({"same_subject": a}).decode()} for a in answers]
+    plan, requests = await _answered(request, script, _sales_embed)
+    assert requests == len(answers) + 1  # the questions, then the rewrite of the one joined
     ids = narrow.pass_inputs(request)
     assert plan.merges == () and plan.creates == ()
     assert [u.observation_id for u in plan.updates] == [ids.observations[0].id]
