@@ -24,8 +24,6 @@ from consolidation.llm.client import LLMAnswer
 from consolidation.llm.prompts import Chat, PassPlan, PassRequest
 from consolidation.llm.prompts_v2 import (
     NEW,
-    SAME,
-    UPDATE,
     Decision,
     Question,
     Shown,
@@ -142,7 +140,7 @@ async def _decisions(
     said.update((ref, narrow.confirmed_pick(found, ref)) for ref in direct)
     doubtful.extend(direct)
     confirmed = await asyncio.gather(
-        *(_confirm(complete, inputs, found, ref, said[ref]) for ref in doubtful)
+        *(_confirm(complete, inputs, found, ref, said[ref].target) for ref in doubtful)
     )
     for ref, yes in zip(doubtful, confirmed, strict=True):
         if not yes:
@@ -237,10 +235,7 @@ async def _confirmed_stale(
     fact's change leaves holding an old value."""
     asked = [(ref, target) for ref, targets in stale.items() for target in targets]
     said = await asyncio.gather(
-        *(
-            _confirm(complete, inputs, found, ref, Decision(UPDATE, target), of_change=True)
-            for ref, target in asked
-        )
+        *(_confirm(complete, inputs, found, ref, target, of_change=True) for ref, target in asked)
     )
     return _said_yes(asked, said)
 
@@ -295,7 +290,7 @@ async def _bridge(
 ) -> bool:
     """Whether fact ``ref`` restates observation ``other`` and ``other`` is the same thing as
     the observation the fact joins (``decision``'s): the second is asked only after a yes."""
-    if not await _confirm(complete, inputs, found, ref, Decision(SAME, other)):
+    if not await _confirm(complete, inputs, found, ref, other):
         return False
     joined = inputs.item(decision.target or "").shown()
     return await _confirm_pair(complete, inputs, inputs.item(other).shown(), joined)
@@ -348,13 +343,14 @@ async def _confirm(
     inputs: narrow.PassInputs,
     found: narrow.Candidates,
     ref: str,
-    decision: Decision,
+    target: str | None,
     *,
     of_change: bool = False,
 ) -> bool:
+    """The yes/no question of fact ``ref`` and its candidate ``target``."""
     question = found.question(ref)
-    target = next(c for c in question.candidates if c.ref == decision.target)
-    return await _confirm_pair(complete, inputs, question.fact, target, of_change=of_change)
+    candidate = next(c for c in question.candidates if c.ref == target)
+    return await _confirm_pair(complete, inputs, question.fact, candidate, of_change=of_change)
 
 
 async def _confirm_pair(
