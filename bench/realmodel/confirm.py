@@ -15,14 +15,14 @@ says little about the question itself. Here every pair the banks' labels make is
   asks before a change ends an observation beside the one it updates) and against the first
   fact of each other label of its scope told before it (``change of another``, no).
 
-Each pair is asked as the engine asks it (of the ``ends`` set, with the instructions of a
-change, :data:`CHANGE_INSTRUCTIONS`); with ``--change-instructions`` any other fact that
-announces a change is asked with those too, a variant docs/quality.md measured and the engine
-did not adopt there; with ``--instructions FILE`` every pair is asked with that file's
-instructions (the variants docs/quality.md measured are in ``bench/realmodel/variants/``).
-``--fresh-context`` serves the lane's model as ``bench quality --fresh-context`` does. Against the lane's model (``--model``; its venv and model must be
-installed: ``python -m bench realmodel`` once) or any OpenAI-compatible endpoint
-(``--base-url``, ``--llm-model``). A few minutes a bank on the lane; the server reuses the
+Each pair is asked as the engine asks it (of the ``ends`` set, with the instructions of a change,
+``prompts_v2.CHANGE_CONFIRM_PROMPT``); with ``--change-instructions`` any other fact that announces
+a change is asked with those too, a variant docs/quality.md measured and the engine did not adopt
+there; with ``--instructions FILE`` every pair is asked with that file's instructions (the variants
+docs/quality.md measured are in ``bench/realmodel/variants/``). ``--fresh-context`` serves the
+lane's model as ``bench quality --fresh-context`` does. Against the lane's model (``--model``; its
+venv and model must be installed: ``python -m bench realmodel`` once) or any OpenAI-compatible
+endpoint (``--base-url``, ``--llm-model``). A few minutes a bank on the lane; the server reuses the
 previous prompt's evaluation, so an answer on the edge may differ from a quality run's
 (:mod:`bench.realmodel.probe`) unless both run with ``--fresh-context``.
 """
@@ -47,7 +47,6 @@ from consolidation.errors import InvalidLLMOutput
 from consolidation.llm import narrow
 from consolidation.llm.client import HTTPConsolidator
 from consolidation.llm.prompts_v2 import (
-    CHANGE_CONFIRM_PROMPT,
     Shown,
     confirm_chat,
     parse_confirm,
@@ -69,12 +68,6 @@ KINDS = (
 )
 YES_KINDS = frozenset({SAME_LABEL, CHANGE_OF_IT, STATES_OLD_VALUE})
 SETS = ("pairs", "changes", "ends")
-
-# Asked "about the same thing", the 1.5B model answers no to most changes of the very observation
-# they change; these instructions ask whether the change is to what the observation states.
-# It then says yes to most of those, and to many changes of other observations too. The engine
-# asks them only of what a change ends beside the observation it updates (``--set ends``).
-CHANGE_INSTRUCTIONS = CHANGE_CONFIRM_PROMPT
 
 
 @dataclass(frozen=True)
@@ -249,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--change-instructions",
         action="store_true",
-        help="ask a fact that announces a change with CHANGE_INSTRUCTIONS",
+        help="ask a fact that announces a change with CHANGE_CONFIRM_PROMPT",
     )
     parser.add_argument(
         "--instructions",

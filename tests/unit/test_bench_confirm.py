@@ -56,7 +56,7 @@ def test_each_pair_is_asked_as_the_engine_asks_it_or_as_the_variant(
         system, user = call["messages"][0][1], orjson.loads(call["messages"][1][1])
         assert (user["task"], user["fact"]["text"]) == ("confirm", pair.fact)
         # Every fact of this set announces a change.
-        assert system == (confirm.CHANGE_INSTRUCTIONS if variant else CONFIRM_PROMPT)
+        assert system == (CHANGE_CONFIRM_PROMPT if variant else CONFIRM_PROMPT)
     table = capsys.readouterr().out
     counted = re.findall(r"^realmodel\s+(change of (?:it|another))\s+(\d+)/(\d+)", table, re.M)
     assert {kind: int(n) for kind, _, n in counted} == {"change of it": 5, "change of another": 56}
