@@ -10,6 +10,7 @@ is checked (:func:`rewrite_problems`) before it is kept.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections import Counter
@@ -1109,11 +1110,21 @@ def _date_words(at: str | None) -> set[str]:
 # How a text says that one state replaced another: "from A to B", "B instead of A", "replaced A
 # with B". Each side is cut at a clause's end; the words nearest the connective are the value.
 _CLAUSE = r"[^,.;:!?()]"
+_FROM_TO = re.compile(rf"\bfrom\s+({_CLAUSE}{{1,60}}?)\s+to\s+({_CLAUSE}{{1,60}})", re.I)
 _CHANGE_PATTERNS = (
-    (re.compile(rf"\bfrom\s+({_CLAUSE}{{1,60}}?)\s+to\s+({_CLAUSE}{{1,60}})", re.I), False),
+    (_FROM_TO, False),
     (re.compile(rf"({_CLAUSE}{{1,60}}?)\s+instead\s+of\s+({_CLAUSE}{{1,60}})", re.I), True),
     (re.compile(rf"\breplaced\s+({_CLAUSE}{{1,60}}?)\s+with\s+({_CLAUSE}{{1,60}})", re.I), False),
 )
+# A point of time as :func:`_value_words` gives it, and what makes a run of such points a time
+# (a bare number is a count as often: "from 900 to 950").
+_WEEKDAYS = ["monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday"]
+_TIME_MARK = re.compile(
+    "|".join([*sorted(_MONTH_WORDS, key=len, reverse=True), *_WEEKDAYS, r"\d+[ap]m", "pm", "noon"])
+)
+_TIME_POINT = re.compile(rf"\d+(?:st|nd|rd|th)?|{_TIME_MARK.pattern}")
+# A word of change by its stem, as a span's preceding verb may say it: "moves" as "moved".
+_CHANGE_STEMS = frozenset(_stem(word) for word in CHANGE_WORDS)
 _VALUE_WORDS = 3
 _VALUE_WORD = re.compile(r"[^\W_]+")
 
@@ -1129,12 +1140,31 @@ def _value(words: str, *, last: bool) -> frozenset[str]:
     return frozenset(found[-_VALUE_WORDS:] if last else found[:_VALUE_WORDS])
 
 
+def _span(text: str, match: re.Match[str]) -> bool:
+    """Whether "from A to B" in ``text`` is the span of a time, not a change: "from 17 to 19
+    October", "From Monday to Friday nobody serves", "Ruth now works from 9am to 5pm". Read as
+    a change, such a span moved a fact onto, or ended, an observation naming its first day
+    (:func:`onto_old_value`, :func:`made_stale`). After a word of change (by its stem, so
+    "moves" as "moved": :data:`CHANGE_WORDS`) it is one all the same: "The Lisbon trip moved
+    from 10 May to 14 June"."""
+    before = list(
+        itertools.takewhile(_TIME_POINT.fullmatch, reversed(_value_words(match.group(1))))
+    )
+    after = list(itertools.takewhile(_TIME_POINT.fullmatch, _value_words(match.group(2))))
+    if not (before and after and any(map(_TIME_MARK.fullmatch, before + after))):
+        return False
+    preceding = _VALUE_WORD.findall(text[: match.start()].lower())[-1:]
+    return not any(_stem(word) in _CHANGE_STEMS for word in preceding)
+
+
 def changes(text: str) -> list[tuple[frozenset[str], frozenset[str]]]:
     """The state changes ``text`` states, as (the old value's words, the new value's words):
     "moved from 10 May to 14 June" gives ({10, may}, {14, june})."""
     found = []
     for pattern, new_first in _CHANGE_PATTERNS:
         for match in pattern.finditer(text):
+            if pattern is _FROM_TO and _span(text, match):
+                continue
             first = _value(match.group(1), last=True)
             second = _value(match.group(2), last=False)
             found.append((second, first) if new_first else (first, second))

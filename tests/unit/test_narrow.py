@@ -324,6 +324,33 @@ def test_changes_are_read_from_from_to_instead_of_and_replaced_with() -> None:
     assert narrow.changes("Dr. Okafor raised my dose to 10 mg.") == []
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        "We have a bookstall at the Hartley Literary Festival from 17 to 19 October 2025.",
+        "From Monday to Friday nobody serves; customers pay into the trust tin by the door.",
+        "Ruth now works from 9 am to 5 pm.",
+        "The Lisbon trip is from 10 May to 14 June.",
+    ],
+)
+def test_from_a_to_b_that_spans_a_time_is_no_change(text: str) -> None:
+    assert narrow.changes(text) == []
+
+
+@pytest.mark.parametrize(
+    ("text", "old", "new"),
+    [
+        ("The meeting moves from Monday to Tuesday.", "monday", "tuesday"),
+        ("The trip was postponed from 10 May to 14 June.", "10 may", "14 june"),
+        ("Rent goes up from 900 to 950 euros.", "900", "950 euros"),
+    ],
+)
+def test_from_a_to_b_after_a_word_of_change_or_between_values_is_a_change(
+    text: str, old: str, new: str
+) -> None:
+    assert narrow.changes(text) == [(frozenset(old.split()), frozenset(new.split()))]
+
+
 def test_a_rewrite_that_puts_the_newest_facts_words_in_another_tense_is_sent_back() -> None:
     football = Shown("o1", "Leo plays football at the FC Nord club.")
     quit = [Shown("f1", "Leo quit football and joined the swimming club.", "2026-01-10")]
@@ -1288,6 +1315,18 @@ def test_a_change_pointed_at_what_does_not_state_its_old_value_moves_to_the_one_
     found = narrow.pick_candidates(given, None, narrow.NarrowOptions(lexical_floor=0.0))
     picked = Decision("update", "o1")
     assert narrow.onto_old_value(found, "f1", picked) == picked
+
+
+def test_a_range_is_not_moved_onto_the_observation_that_names_its_first_day() -> None:
+    # Read as a change from Monday to Friday, the trust tin "replaced" the cleaner's Monday.
+    cleaner = "The cleaner comes in on Monday evenings."
+    given = inputs([TRUST_TIN], [HONESTY_BOX, cleaner])
+    found = narrow.pick_candidates(given, None, narrow.NarrowOptions(lexical_floor=0.0))
+    refs = {c.text: c.ref for c in found.questions[0].candidates}
+    assert refs.keys() == {HONESTY_BOX, cleaner}
+    picked = Decision("same", refs[HONESTY_BOX])
+    assert narrow.onto_old_value(found, "f1", picked) == picked
+    assert narrow.made_stale(found, {"f1": picked}) == {}
 
 
 HONESTY_BOX = "The farm shop is unstaffed on weekdays and runs on an honesty box."
