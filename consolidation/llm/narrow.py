@@ -435,9 +435,11 @@ CHANGE_WORDS = frozenset(_CHANGE_TEXT.split())
 # the text ("From 17 to 19 October we ...", "From Monday to Friday nobody serves") is when
 # something lasts, not since when: its "to" comes within the three words after "from"; a later
 # "to" is the new state's ("From April 2026 the shop price for six eggs goes up to £2.60").
+_WEEKDAYS = ["monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday"]
 _WHEN = (
-    r"(?:january|february|march|april|may|june|july|august|september|october|november|december"
-    r"|monday|tuesday|wednesday|thursday|friday|saturday|sunday|next|this|today|tomorrow|\d)"
+    r"(?:january|february|march|april|may|june|july|august|september|october|november|december|"
+    + "|".join(_WEEKDAYS)
+    + r"|next|this|today|tomorrow|\d)"
 )
 _FROM_WHEN = re.compile(
     rf"\A\W*(?:from|as of|since|starting|effective|beginning)\s+(?:the\s+)?{_WHEN}"
@@ -1118,7 +1120,6 @@ _CHANGE_PATTERNS = (
 )
 # A point of time as :func:`_value_words` gives it, and what makes a run of such points a time
 # (a bare number is a count as often: "from 900 to 950").
-_WEEKDAYS = ["monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday"]
 _TIME_MARK = re.compile(
     "|".join([*sorted(_MONTH_WORDS, key=len, reverse=True), *_WEEKDAYS, r"\d+[ap]m", "pm", "noon"])
 )
