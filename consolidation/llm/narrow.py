@@ -1110,9 +1110,13 @@ def _date_words(at: str | None) -> set[str]:
 
 
 # How a text says that one state replaced another: "from A to B", "B instead of A", "replaced A
-# with B". Each side is cut at a clause's end; the words nearest the connective are the value.
-_CLAUSE = r"[^,.;:!?()]"
-_FROM_TO = re.compile(rf"\bfrom\s+({_CLAUSE}{{1,60}}?)\s+to\s+({_CLAUSE}{{1,60}})", re.I)
+# with B". Each side is cut at a clause's end (a dot between digits ends none: "£2.60"); the
+# words nearest the connective are the value. A from-to's old value holds no other "from": in
+# "From March 2026 the rent rises from £900 to £950" it is £900, not what the opening says.
+_CLAUSE = r"(?:[^,.;:!?()]|(?<=\d)\.(?=\d))"
+_FROM_TO = re.compile(
+    rf"\bfrom\s+((?:(?!\bfrom\b){_CLAUSE}){{1,60}}?)\s+to\s+({_CLAUSE}{{1,60}})", re.I
+)
 _CHANGE_PATTERNS = (
     (_FROM_TO, False),
     (re.compile(rf"({_CLAUSE}{{1,60}}?)\s+instead\s+of\s+({_CLAUSE}{{1,60}})", re.I), True),
@@ -1127,7 +1131,7 @@ _TIME_POINT = re.compile(rf"\d+(?:st|nd|rd|th)?|{_TIME_MARK.pattern}")
 # A word of change by its stem, as a span's preceding verb may say it: "moves" as "moved".
 _CHANGE_STEMS = frozenset(_stem(word) for word in CHANGE_WORDS)
 _VALUE_WORDS = 3
-_VALUE_WORD = re.compile(r"[^\W_]+")
+_VALUE_WORD = re.compile(r"\d+(?:\.\d+)+|[^\W_]+")
 
 
 def _value_words(text: str) -> list[str]:
@@ -1158,13 +1162,21 @@ def _span(text: str, match: re.Match[str]) -> bool:
     return not any(_stem(word) in _CHANGE_STEMS for word in preceding)
 
 
+def _opens(text: str, match: re.Match[str]) -> bool:
+    """Whether ``match``'s "from" is the first word of ``text``."""
+    return not _VALUE_WORD.search(text[: match.start()])
+
+
 def changes(text: str) -> list[tuple[frozenset[str], frozenset[str]]]:
     """The state changes ``text`` states, as (the old value's words, the new value's words):
-    "moved from 10 May to 14 June" gives ({10, may}, {14, june})."""
+    "moved from 10 May to 14 June" gives ({10, may}, {14, june}). A from-to that opens a text
+    saying from when it holds (:data:`_FROM_WHEN`) says when, not an old value: "From 1
+    February 2026 a standard consult goes up to £53" replaces no value it names."""
     found = []
+    opens_when = bool(_FROM_WHEN.match(text))
     for pattern, new_first in _CHANGE_PATTERNS:
         for match in pattern.finditer(text):
-            if pattern is _FROM_TO and _span(text, match):
+            if pattern is _FROM_TO and (_span(text, match) or (opens_when and _opens(text, match))):
                 continue
             first = _value(match.group(1), last=True)
             second = _value(match.group(2), last=False)

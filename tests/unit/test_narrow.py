@@ -351,6 +351,34 @@ def test_from_a_to_b_after_a_word_of_change_or_between_values_is_a_change(
     assert narrow.changes(text) == [(frozenset(old.split()), frozenset(new.split()))]
 
 
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        # The opening says from when; the old value is the later from-to's.
+        ("From March 2026 the rent rises from £900 to £950.", [({"900"}, {"950"})]),
+        # An opening from-when and a later "to" name no old value.
+        ("From 1 February 2026 a standard consult goes up to £53.", []),
+        ("From April 2026 the shop price for six eggs goes up to £2.60.", []),
+        # A dot between digits is a value's, not a clause's end.
+        ("The egg price went from £2.40 to £2.60.", [({"2.40"}, {"2.60"})]),
+        ("We upgraded from Python 3.11 to 3.12.", [({"python", "3.11"}, {"3.12"})]),
+    ],
+)
+def test_a_change_of_value_is_read_past_an_opening_from_when_and_through_decimals(
+    text: str, expected: list[tuple[set[str], set[str]]]
+) -> None:
+    assert narrow.changes(text) == [(frozenset(old), frozenset(new)) for old, new in expected]
+
+
+def test_a_price_change_turned_round_is_told_by_its_decimals() -> None:
+    fact = "The egg price went from £2.40 to £2.60."
+    assert narrow.turns_round(fact, "The shop's egg price went from £2.60 to £2.40.")
+    assert not narrow.turns_round(fact, "The shop's egg price went from £2.40 to £2.60.")
+    # A text that states the old price and not the new is what the change ends.
+    assert narrow.ended_values(fact, "Six eggs cost £2.40 at the shop.") == [frozenset({"2.40"})]
+    assert narrow.ended_values(fact, "Six eggs cost £2.60 at the shop.") == []
+
+
 def test_a_rewrite_that_puts_the_newest_facts_words_in_another_tense_is_sent_back() -> None:
     football = Shown("o1", "Leo plays football at the FC Nord club.")
     quit = [Shown("f1", "Leo quit football and joined the swimming club.", "2026-01-10")]
