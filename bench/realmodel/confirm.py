@@ -19,7 +19,10 @@ Each pair is asked as the engine asks it (of the ``ends`` set, with the instruct
 ``prompts_v2.CHANGE_CONFIRM_PROMPT``); with ``--change-instructions`` any other fact that announces
 a change is asked with those too, a variant docs/quality.md measured and the engine did not adopt
 there; with ``--instructions FILE`` every pair is asked with that file's instructions (the variants
-docs/quality.md measured are in ``bench/realmodel/variants/``). ``--fresh-context`` serves the
+docs/quality.md measured are in ``bench/realmodel/variants/``); with ``--name-subjects`` the answer
+names what the observation and the fact are each about before its yes or no (:data:`NAMED`,
+asked with ``variants/confirm-name-subjects.txt`` unless ``--instructions`` says otherwise), a
+variant docs/quality.md measured and the engine did not adopt. ``--fresh-context`` serves the
 lane's model as ``bench quality --fresh-context`` does. Against the lane's model (``--model``; its
 venv and model must be installed: ``python -m bench realmodel`` once) or any OpenAI-compatible
 endpoint (``--base-url``, ``--llm-model``). A few minutes a bank on the lane; the server reuses the
@@ -37,6 +40,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import orjson
 
@@ -47,6 +51,8 @@ from consolidation.errors import InvalidLLMOutput
 from consolidation.llm import narrow
 from consolidation.llm.client import HTTPConsolidator
 from consolidation.llm.prompts_v2 import (
+    NO,
+    YES,
     Shown,
     confirm_chat,
     parse_confirm,
@@ -68,6 +74,19 @@ KINDS = (
 )
 YES_KINDS = frozenset({SAME_LABEL, CHANGE_OF_IT, STATES_OLD_VALUE})
 SETS = ("pairs", "changes", "ends")
+VARIANTS = Path(__file__).with_name("variants")
+# ``--name-subjects``: the answer's fields, in the order the model writes them, and room for them.
+NAMED: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "observation_is_about": {"type": "string", "maxLength": 60},
+        "fact_is_about": {"type": "string", "maxLength": 60},
+        "same_subject": {"type": "string", "enum": [YES, NO]},
+    },
+    "required": ["observation_is_about", "fact_is_about", "same_subject"],
+    "additionalProperties": False,
+}
+NAMED_MAX_TOKENS = 80
 
 
 @dataclass(frozen=True)
@@ -169,10 +188,13 @@ async def ask(
     change_instructions: bool,
     instructions: str | None = None,
     of_change: bool = False,
+    name_subjects: bool = False,
+    said: list[str] | None = None,
 ) -> list[bool | None]:
     """The model's answer to each pair, one request at a time; None for an unusable answer.
     ``of_change``: asked as the engine asks what a change ends; ``instructions`` replace the
-    question's for every pair."""
+    question's for every pair; ``name_subjects``: the answer names both subjects first
+    (:data:`NAMED`). Each answer's text is appended to ``said`` when given."""
     answers: list[bool | None] = []
     for pair in asked:
         chat = confirm_chat(
@@ -183,10 +205,15 @@ async def ask(
             Shown("o1", pair.observation),
             of_change=of_change or (change_instructions and narrow.announces_change(pair.fact)),
         )
+        if name_subjects:
+            chat = dataclasses.replace(chat, schema=NAMED, max_tokens=NAMED_MAX_TOKENS)
         if instructions is not None:
             chat = dataclasses.replace(chat, system=instructions)
+        content = (await llm.complete(chat)).content
+        if said is not None:
+            said.append(content)
         try:
-            answers.append(parse_confirm((await llm.complete(chat)).content))
+            answers.append(parse_confirm(content))
         except InvalidLLMOutput:
             answers.append(None)
     return answers
@@ -220,6 +247,8 @@ async def _run(
     change_instructions: bool,
     instructions: str | None,
     of_change: bool,
+    name_subjects: bool,
+    said: list[str],
 ) -> list[bool | None]:
     llm = HTTPConsolidator(base_url=url, model=model, timeout_s=600)
     try:
@@ -229,6 +258,8 @@ async def _run(
             change_instructions=change_instructions,
             instructions=instructions,
             of_change=of_change,
+            name_subjects=name_subjects,
+            said=said,
         )
     finally:
         await llm.aclose()
@@ -249,8 +280,15 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         help="ask every pair with the instructions in this file instead (a variant to measure)",
     )
+    parser.add_argument(
+        "--name-subjects",
+        action="store_true",
+        help="the answer names what each text is about before its yes or no",
+    )
     parser.add_argument("--json", type=Path, help="write every pair and its answer here")
     args = parser.parse_args(argv)
+    if args.name_subjects and not args.instructions:
+        args.instructions = VARIANTS / "confirm-name-subjects.txt"
     try:
         instructions = args.instructions.read_text() if args.instructions else None
     except OSError as exc:
@@ -262,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     chosen = [b for b in banks if not args.bank or b.name in args.bank]
     make = {"pairs": pairs, "changes": change_pairs, "ends": ends_pairs}[args.which]
     asked = [pair for qbank in chosen for pair in make(qbank)]
+    said: list[str] = []
     answers = on_endpoint_or_lane(
         parser,
         args,
@@ -274,12 +313,15 @@ def main(argv: list[str] | None = None) -> int:
                 change_instructions=args.change_instructions,
                 instructions=instructions,
                 of_change=args.which == "ends",
+                name_subjects=args.name_subjects,
+                said=said,
             )
         ),
     )
     if args.json:
         rows = [
-            {**vars(p), "want": p.want, "answer": a} for p, a in zip(asked, answers, strict=True)
+            {**vars(p), "want": p.want, "answer": a, "said": text}
+            for p, a, text in zip(asked, answers, said, strict=True)
         ]
         args.json.write_bytes(orjson.dumps(rows, option=orjson.OPT_INDENT_2))
     print(render(asked, answers))

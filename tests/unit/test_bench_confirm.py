@@ -137,3 +137,22 @@ def test_the_lane_server_is_started_fresh_only_when_asked(
         assert started.startswith(f"-c\n{FRESH_CONTEXT_LAUNCHER}")
     else:
         assert started.startswith("-m\nllama_cpp.server\n--model\n")
+
+
+def test_named_subjects_are_asked_with_their_variant_and_room_to_name_them(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "answers.json"
+    argv = ["--bank", "realmodel", "--set", "ends", "--name-subjects", "--json", str(out)]
+    with FakeLLMServer(FakeLLMConfig(record_messages=True)) as fake:
+        assert confirm.main([*argv, "--base-url", fake.url, "--llm-model", "fake"]) == 0
+        calls = fake.stats()["calls"]
+    asked = confirm.ends_pairs(LANE_BANK)
+    assert len(calls) == len(asked)
+    variant = (confirm.VARIANTS / "confirm-name-subjects.txt").read_text()
+    assert {call["messages"][0][1] for call in calls} == {variant}
+    assert {call["max_tokens"] for call in calls} == {confirm.NAMED_MAX_TOKENS}
+    assert list(confirm.NAMED["properties"])[-1] == "same_subject"  # named before the verdict
+    rows = orjson.loads(out.read_bytes())
+    assert [row["fact"] for row in rows] == [pair.fact for pair in asked]
+    assert all(orjson.loads(row["said"])["same_subject"] in ("yes", "no") for row in rows)
