@@ -22,7 +22,10 @@ there; with ``--instructions FILE`` every pair is asked with that file's instruc
 docs/quality.md measured are in ``bench/realmodel/variants/``); with ``--name-subjects`` the answer
 names what the observation and the fact are each about before its yes or no (:data:`NAMED`,
 asked with ``variants/confirm-name-subjects.txt`` unless ``--instructions`` says otherwise), a
-variant docs/quality.md measured and the engine did not adopt. ``--fresh-context`` serves the
+variant docs/quality.md measured and the engine did not adopt; with ``--subjects-alone`` no pair is
+asked: each text is asked on its own what kind of thing it tells of, in one to three words
+(``variants/subject-alone.txt``), and a pair's answer is yes when the two kinds share a word
+stem (:func:`narrow.overlap`), a question the engine does not ask. ``--fresh-context`` serves the
 lane's model as ``bench quality --fresh-context`` does. Against the lane's model (``--model``; its
 venv and model must be installed: ``python -m bench realmodel`` once) or any OpenAI-compatible
 endpoint (``--base-url``, ``--llm-model``). A few minutes a bank on the lane; the server reuses the
@@ -50,6 +53,7 @@ from bench.realmodel.server import add_endpoint_arguments, on_endpoint_or_lane
 from consolidation.errors import InvalidLLMOutput
 from consolidation.llm import narrow
 from consolidation.llm.client import HTTPConsolidator
+from consolidation.llm.prompts import Chat
 from consolidation.llm.prompts_v2 import (
     NO,
     YES,
@@ -87,6 +91,14 @@ NAMED: dict[str, Any] = {
     "additionalProperties": False,
 }
 NAMED_MAX_TOKENS = 80
+# ``--subjects-alone``: one text's kind of thing, asked on its own.
+ALONE: dict[str, Any] = {
+    "type": "object",
+    "properties": {"about": {"type": "string", "maxLength": 40}},
+    "required": ["about"],
+    "additionalProperties": False,
+}
+ALONE_MAX_TOKENS = 24
 
 
 @dataclass(frozen=True)
@@ -219,6 +231,36 @@ async def ask(
     return answers
 
 
+async def ask_alone(
+    llm: HTTPConsolidator, asked: Sequence[Pair], instructions: str, said: list[str]
+) -> list[bool | None]:
+    """Each distinct text of ``asked`` asked on its own what kind of thing it tells of
+    (:data:`ALONE`); a pair's answer is whether its two kinds share a word stem, None when
+    either answer is unusable. Each answer's text is appended to ``said`` per pair, as
+    ``fact kind | observation kind``."""
+    kinds: dict[str, str | None] = {}
+    for pair in asked:
+        for text in (pair.fact, pair.observation):
+            if text in kinds:
+                continue
+            user = {"contract": "v2", "task": "about", "text": text}
+            chat = Chat(instructions, orjson.dumps(user).decode(), ALONE, ALONE_MAX_TOKENS)
+            try:
+                about = orjson.loads((await llm.complete(chat)).content).get("about")
+            except (orjson.JSONDecodeError, AttributeError):
+                about = None
+            kinds[text] = about if isinstance(about, str) and about.strip() else None
+    answers: list[bool | None] = []
+    for pair in asked:
+        fact, observation = kinds[pair.fact], kinds[pair.observation]
+        said.append(f"{fact} | {observation}")
+        if fact is None or observation is None:
+            answers.append(None)
+        else:
+            answers.append(narrow.overlap(fact, observation) > 0)
+    return answers
+
+
 def render(asked: Sequence[Pair], answers: Sequence[bool | None]) -> str:
     """A line per bank and kind: how many pairs got the answer their labels want, then the
     pairs that did not."""
@@ -248,10 +290,14 @@ async def _run(
     instructions: str | None,
     of_change: bool,
     name_subjects: bool,
+    subjects_alone: bool,
     said: list[str],
 ) -> list[bool | None]:
     llm = HTTPConsolidator(base_url=url, model=model, timeout_s=600)
     try:
+        if subjects_alone:
+            assert instructions is not None
+            return await ask_alone(llm, asked, instructions, said)
         return await ask(
             llm,
             asked,
@@ -285,10 +331,19 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the answer names what each text is about before its yes or no",
     )
+    parser.add_argument(
+        "--subjects-alone",
+        action="store_true",
+        help="ask each text alone what kind of thing it tells of; yes when two kinds share a word",
+    )
     parser.add_argument("--json", type=Path, help="write every pair and its answer here")
     args = parser.parse_args(argv)
+    if args.name_subjects and args.subjects_alone:
+        parser.error("--name-subjects and --subjects-alone are two variants: give one")
     if args.name_subjects and not args.instructions:
         args.instructions = VARIANTS / "confirm-name-subjects.txt"
+    if args.subjects_alone and not args.instructions:
+        args.instructions = VARIANTS / "subject-alone.txt"
     try:
         instructions = args.instructions.read_text() if args.instructions else None
     except OSError as exc:
@@ -314,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
                 instructions=instructions,
                 of_change=args.which == "ends",
                 name_subjects=args.name_subjects,
+                subjects_alone=args.subjects_alone,
                 said=said,
             )
         ),

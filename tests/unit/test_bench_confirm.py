@@ -156,3 +156,40 @@ def test_named_subjects_are_asked_with_their_variant_and_room_to_name_them(
     rows = orjson.loads(out.read_bytes())
     assert [row["fact"] for row in rows] == [pair.fact for pair in asked]
     assert all(orjson.loads(row["said"])["same_subject"] in ("yes", "no") for row in rows)
+
+
+def test_subjects_alone_asks_each_text_once_and_says_yes_when_the_kinds_share_a_word(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    asked = confirm.ends_pairs(LANE_BANK)
+    texts = list(dict.fromkeys(t for pair in asked for t in (pair.fact, pair.observation)))
+    # A made-up word of its own for every text but the Paris ones, which share "home city".
+    own = (f"zzq{a}{b}" for a in "abcdefghij" for b in "abcdefghij")
+    kinds = {t: "home city" if "Paris" in t else next(own) for t in texts}
+    with FakeLLMServer(FakeLLMConfig(record_messages=True)) as fake:
+        fake.control(
+            script=[{"content": orjson.dumps({"about": kinds[t]}).decode()} for t in texts]
+        )
+        argv = ["--bank", "realmodel", "--set", "ends", "--subjects-alone", "--base-url", fake.url]
+        assert confirm.main(argv) == 0
+        calls = fake.stats()["calls"]
+    # Each distinct text once, on its own, with the variant's instructions.
+    assert [orjson.loads(call["messages"][1][1])["text"] for call in calls] == texts
+    variant = (confirm.VARIANTS / "subject-alone.txt").read_text()
+    assert {call["messages"][0][1] for call in calls} == {variant}
+    table = capsys.readouterr().out
+    counted = re.findall(
+        r"^realmodel\s+(states its old value|change of another)\s+(\d+)/(\d+)", table, re.M
+    )
+    # The two Paris observations share "home city" with the move; no other kind shares a word.
+    assert {kind: (int(n), int(of)) for kind, n, of in counted} == {
+        "states its old value": (2, 2),
+        "change of another": (len(asked) - 2, len(asked) - 2),
+    }
+
+
+def test_the_two_subject_variants_are_one_or_the_other(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        confirm.main(["--name-subjects", "--subjects-alone", "--base-url", "http://127.0.0.1:9/v1"])
+    assert exit_.value.code == 2
+    assert "give one" in capsys.readouterr().err
