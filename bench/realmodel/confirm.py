@@ -43,7 +43,6 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import orjson
 
@@ -59,6 +58,7 @@ from consolidation.llm.prompts_v2 import (
     YES,
     Shown,
     confirm_chat,
+    object_schema,
     parse_confirm,
 )
 
@@ -80,24 +80,16 @@ YES_KINDS = frozenset({SAME_LABEL, CHANGE_OF_IT, STATES_OLD_VALUE})
 SETS = ("pairs", "changes", "ends")
 VARIANTS = Path(__file__).with_name("variants")
 # ``--name-subjects``: the answer's fields, in the order the model writes them, and room for them.
-NAMED: dict[str, Any] = {
-    "type": "object",
-    "properties": {
+NAMED = object_schema(
+    {
         "observation_is_about": {"type": "string", "maxLength": 60},
         "fact_is_about": {"type": "string", "maxLength": 60},
         "same_subject": {"type": "string", "enum": [YES, NO]},
-    },
-    "required": ["observation_is_about", "fact_is_about", "same_subject"],
-    "additionalProperties": False,
-}
+    }
+)
 NAMED_MAX_TOKENS = 80
 # ``--subjects-alone``: one text's kind of thing, asked on its own.
-ALONE: dict[str, Any] = {
-    "type": "object",
-    "properties": {"about": {"type": "string", "maxLength": 40}},
-    "required": ["about"],
-    "additionalProperties": False,
-}
+ALONE = object_schema({"about": {"type": "string", "maxLength": 40}})
 ALONE_MAX_TOKENS = 24
 
 
@@ -246,9 +238,10 @@ async def ask_alone(
             user = {"contract": "v2", "task": "about", "text": text}
             chat = Chat(instructions, orjson.dumps(user).decode(), ALONE, ALONE_MAX_TOKENS)
             try:
-                about = orjson.loads((await llm.complete(chat)).content).get("about")
-            except (orjson.JSONDecodeError, AttributeError):
-                about = None
+                answer = orjson.loads((await llm.complete(chat)).content)
+            except orjson.JSONDecodeError:
+                answer = None
+            about = answer.get("about") if isinstance(answer, dict) else None
             kinds[text] = about if isinstance(about, str) and about.strip() else None
     answers: list[bool | None] = []
     for pair in asked:

@@ -134,7 +134,7 @@ class Decision:
     target: str | None = None
 
 
-def _object_schema(properties: dict[str, Any]) -> dict[str, Any]:
+def object_schema(properties: dict[str, Any]) -> dict[str, Any]:
     return {
         "type": "object",
         "properties": properties,
@@ -165,7 +165,7 @@ def decide_chat(
         }
         for q in questions
     ]
-    schema = _object_schema(
+    schema = object_schema(
         {q.fact.ref: {"type": "string", "enum": list(q.choices())} for q in questions}
     )
     return Chat(
@@ -198,7 +198,7 @@ def rewrite_chat(
     return Chat(
         system=REWRITE_PROMPT,
         user=orjson.dumps(payload).decode(),
-        schema=_object_schema({"text": {"type": "string"}}),
+        schema=object_schema({"text": {"type": "string"}}),
         max_tokens=REWRITE_MAX_TOKENS,
     )
 
@@ -220,7 +220,7 @@ def confirm_chat(
     return Chat(
         system=CHANGE_CONFIRM_PROMPT if of_change else CONFIRM_PROMPT,
         user=orjson.dumps(payload).decode(),
-        schema=_object_schema({"same_subject": {"type": "string", "enum": [YES, NO]}}),
+        schema=object_schema({"same_subject": {"type": "string", "enum": [YES, NO]}}),
         max_tokens=CONFIRM_MAX_TOKENS,
     )
 
